@@ -1,0 +1,95 @@
+"""Prompt-lookup drafting as a tree (training-free).
+
+HF's prompt lookup copies the continuation of *one* earlier match of the last n-gram.  Here the
+latest n-grams (n = max_n .. min_n) are looked up in an incremental index of the whole context
+(prompt + generated text); the continuations of several earlier matches become candidate paths,
+ranked by match length, then by how many matches agree on the continuation, then recency, and
+are trie-merged under the node budget.  When nothing matches the tree is the root alone, so a
+pass costs what plain decoding costs.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from specdraft.model.llama import ForwardOutput
+from specdraft.tree import Tree
+from specdraft.verify import Accepted
+
+
+@dataclass
+class NgramConfig:
+    max_n: int = 4  # longest n-gram matched
+    min_n: int = 1  # shortest n-gram matched (1 = a single token)
+    depth: int = 8  # longest continuation copied per match
+    matches_per_n: int = 4  # most recent matches considered per n-gram length
+    budget: int = 12  # default drafted nodes per tree
+
+
+class NgramDrafter:
+    name = "ngram"
+    hidden_layers: tuple[int, ...] = ()
+
+    def __init__(self, config: NgramConfig | None = None) -> None:
+        self.cfg = config or NgramConfig()
+        self.default_budget = self.cfg.budget
+        self.history: list[int] = []
+        # n-gram -> positions just after each occurrence (ascending)
+        self.index: dict[tuple[int, ...], list[int]] = defaultdict(list)
+
+    def reset(self, prompt_ids: list[int], first_token: int, prefill: ForwardOutput) -> None:
+        self.history = []
+        self.index = defaultdict(list)
+        self._extend(list(prompt_ids) + [first_token])
+
+    def _extend(self, tokens: list[int]) -> None:
+        h = self.history
+        for tok in tokens:
+            h.append(tok)
+            end = len(h)
+            for n in range(self.cfg.min_n, self.cfg.max_n + 1):
+                if end - n < 0:
+                    break
+                # the n-gram ending here; its continuation starts at `end`
+                self.index[tuple(h[end - n : end])].append(end)
+
+    def commit(self, accepted: Accepted, out: ForwardOutput) -> None:
+        self._extend(accepted.new_tokens)
+
+    def candidates(self) -> list[list[int]]:
+        """Candidate continuations of the current context, best first."""
+        h, cfg = self.history, self.cfg
+        end = len(h)
+        seen: set[tuple[int, ...]] = set()
+        ranked: list[list[int]] = []
+        for n in range(min(cfg.max_n, end), cfg.min_n - 1, -1):
+            starts = self.index.get(tuple(h[end - n :]))
+            if not starts:
+                continue
+            conts: dict[tuple[int, ...], list[int]] = {}
+            order: list[tuple[int, ...]] = []
+            for s in reversed(starts):  # most recent first; the current end has no continuation
+                if s >= end:
+                    continue
+                cont = tuple(h[s : s + cfg.depth])
+                if cont in seen or cont in conts:
+                    conts.setdefault(cont, []).append(s)
+                    continue
+                conts[cont] = [s]
+                order.append(cont)
+                if len(order) >= cfg.matches_per_n:
+                    break
+            # within one n: continuations seen more often first, then the most recent
+            order.sort(key=lambda c: -len(conts[c]))
+            for c in order:
+                if c not in seen:
+                    seen.add(c)
+                    ranked.append(list(c))
+        return ranked
+
+    def propose(self, budget: int) -> Tree:
+        root = self.history[-1]
+        if budget <= 0:
+            return Tree.single(root)
+        return Tree.from_paths(root, self.candidates(), budget=budget)

@@ -1,0 +1,165 @@
+"""One generate loop for every drafter (plain decoding = the empty drafter).
+
+    prefill(prompt) -> first token (the first root) -> drafter.reset
+    loop: tree = drafter.propose(budget); logits = target.forward_tree(tree)
+          accepted = verify(tree, logits); target.commit(accepted.path); drafter.commit(...)
+          stream the new tokens; stop on EOS / max tokens / stop strings
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from specdraft.drafters.base import Drafter, NoDrafter
+from specdraft.errors import SpecdraftError
+from specdraft.target import Target
+from specdraft.verify import Sampling, target_probs, verify
+
+
+@dataclass
+class GenerateConfig:
+    max_new_tokens: int = 256  # tokens to generate at most (EOS excluded)
+    sampling: Sampling = field(default_factory=Sampling)  # temperature 0 = greedy
+    seed: int | None = None  # sampling seed (None = 0)
+    stop: list[str] = field(default_factory=list)  # stop strings (cut from the text)
+    budget: int | None = None  # drafted nodes per tree; None = the drafter's default
+
+
+@dataclass
+class GenerationStats:
+    new_tokens: int = 0  # tokens generated (stop token excluded)
+    passes: int = 0  # target passes after prefill
+    tokens_per_pass: float = 0.0  # tokens committed by those passes / passes
+    accept_hist: dict[int, int] = field(default_factory=dict)  # drafted tokens accepted -> passes
+    tree_nodes: int = 0  # drafted nodes summed over passes
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0  # target tree passes + verification + cache compaction
+    wall_s: float = 0.0  # everything, prefill included
+    tok_s: float = 0.0  # new_tokens / wall_s
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # generated ids (EOS excluded)
+    text: str
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    stats: GenerationStats
+
+
+def _first_stop(text: str, stops: list[str]) -> int:
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else -1
+
+
+def generate(
+    target: Target,
+    prompt_ids: list[int],
+    drafter: Drafter | None = None,
+    config: GenerateConfig | None = None,
+    on_text: Callable[[str], None] | None = None,
+) -> GenerationResult:
+    """Generate from ``prompt_ids``; ``on_text`` receives the text as it is accepted."""
+    cfg = config or GenerateConfig()
+    drafter = drafter or NoDrafter()
+    if not prompt_ids:
+        raise SpecdraftError("the prompt is empty")
+    if cfg.max_new_tokens < 1:
+        raise SpecdraftError(f"max new tokens must be >= 1 (got {cfg.max_new_tokens})")
+    budget = drafter.default_budget if cfg.budget is None else cfg.budget
+    if budget < 0:
+        raise SpecdraftError(f"budget must be >= 0 (got {budget})")
+    ctx = target.config.max_position
+    max_new = min(cfg.max_new_tokens, ctx - len(prompt_ids))
+    s = cfg.sampling
+    gen = None
+    if not s.greedy:
+        gen = torch.Generator().manual_seed(0 if cfg.seed is None else cfg.seed)
+    eos = target.eos_ids
+    stats = GenerationStats()
+    hist: Counter[int] = Counter()
+    t_start = time.perf_counter()
+
+    out = target.prefill(prompt_ids, max_slots=len(prompt_ids) + max_new + budget + 1,
+                         hidden_layers=drafter.hidden_layers)
+    last_logits = out.logits[0, -1]
+    if s.greedy:
+        first = int(last_logits.argmax())
+    else:
+        first = int(torch.multinomial(target_probs(last_logits, s), 1, generator=gen).item())
+    stats.prefill_s = time.perf_counter() - t_start
+
+    tokens: list[int] = []
+    emitted = 0  # characters already streamed
+    hold = max((len(x) for x in cfg.stop), default=1) - 1  # chars that might start a stop string
+    finish = "length"
+
+    def push(new: list[int]) -> tuple[bool, int]:
+        """Append accepted tokens; returns (generation must stop, tokens consumed incl. EOS)."""
+        nonlocal emitted, finish
+        done, used = False, 0
+        for tok in new:
+            used += 1
+            if tok in eos:
+                finish, done = "stop", True
+                break
+            tokens.append(tok)
+            if len(tokens) >= max_new:
+                done = True
+                break
+        if cfg.stop or on_text is not None:
+            text = target.decode(tokens)
+            cut = _first_stop(text, cfg.stop) if cfg.stop else -1
+            if cut >= 0:
+                finish, done, text = "stop", True, text[:cut]
+            safe = len(text) if done else max(emitted, len(text) - hold)
+            while safe > emitted and text[safe - 1] == "\ufffd" and not done:
+                safe -= 1  # an incomplete UTF-8 sequence: wait for the next token
+            if on_text is not None and safe > emitted:
+                on_text(text[emitted:safe])
+            emitted = max(emitted, safe)
+        return done, used
+
+    done, _ = push([first])
+    if not done:
+        drafter.reset(prompt_ids, first, out)
+    committed_by_passes = 0
+    while not done:
+        t0 = time.perf_counter()
+        tree = drafter.propose(budget)
+        t1 = time.perf_counter()
+        out = target.forward_tree(tree, hidden_layers=drafter.hidden_layers)
+        acc = verify(tree, out.logits[0], s, gen)
+        target.commit(acc.path)
+        t2 = time.perf_counter()
+        stats.draft_s += t1 - t0
+        stats.verify_s += t2 - t1
+        stats.passes += 1
+        stats.tree_nodes += len(tree) - 1
+        hist[len(acc.tokens)] += 1
+        done, used = push(acc.new_tokens)
+        committed_by_passes += used
+        if not done:
+            drafter.commit(acc, out)
+        if target.length + budget + 2 > target.cache.max_slots and not done:
+            done = True  # context exhausted
+
+    stats.new_tokens = len(tokens)
+    stats.wall_s = time.perf_counter() - t_start
+    stats.tok_s = stats.new_tokens / stats.wall_s if stats.wall_s > 0 else 0.0
+    stats.tokens_per_pass = committed_by_passes / stats.passes if stats.passes else 0.0
+    stats.accept_hist = dict(sorted(hist.items()))
+    text = target.decode(tokens)
+    if cfg.stop:
+        cut = _first_stop(text, cfg.stop)
+        if cut >= 0:
+            text = text[:cut]
+    return GenerationResult(token_ids=tokens, text=text, finish_reason=finish, stats=stats)

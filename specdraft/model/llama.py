@@ -1,0 +1,223 @@
+"""A lean Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM) for speculative decoding.
+
+Differences from a generic implementation, all in service of tree verification:
+- a static KV cache (``KVCache``) preallocated once and written by slot, so a draft tree can be
+  written after the committed prefix and the accepted path compacted in place;
+- the caller passes the token positions (RoPE) and a boolean attention mask explicitly, so the
+  same forward serves prefill, one-token decoding, tree verification and left-padded batches;
+- the hidden states of any requested layers come back beside the logits (drafters read them).
+
+Maths (per block):  h = x + Wo·Attn(RoPE(Wq·n(x)), RoPE(Wk·n(x)), Wv·n(x));  y = h + Wd·(silu(Wg·n(h)) * Wu·n(h))
+with n = RMSNorm.  Q/K/V and gate/up projections are fused into one matmul each.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specdraft.model.config import ModelConfig
+
+FINAL = -1  # key of the final (normed) hidden state in ForwardOutput.hidden
+
+
+@dataclass
+class ForwardOutput:
+    logits: Tensor | None  # [B, T', V] for the positions asked for (T' = T or 1), None if skipped
+    hidden: dict[int, Tensor] = field(default_factory=dict)  # layer -> [B, T, H]; 0 = embeddings,
+    # i = output of block i (1-based), FINAL = final-normed state that feeds the LM head
+
+
+class KVCache:
+    """Static key/value cache for every layer in one tensor, written by slot.
+
+    ``kv``: [L, 2, B, Hkv, S, D].  Slots are positions in the cache, not RoPE positions: the
+    caller decides what lives where (committed prefix, then tree nodes).
+    """
+
+    def __init__(self, cfg: ModelConfig, batch: int, max_slots: int, device, dtype) -> None:
+        shape = (cfg.num_layers, 2, batch, cfg.num_kv_heads, max_slots, cfg.head_dim)
+        self.kv = torch.zeros(shape, device=device, dtype=dtype)
+
+    @property
+    def max_slots(self) -> int:
+        return self.kv.shape[4]
+
+    def compact(self, src_slots: Tensor, dst_start: int) -> None:
+        """Move the entries at ``src_slots`` to ``dst_start, dst_start+1, ...`` in every layer.
+
+        Gathering first makes overlapping source/destination ranges safe.
+        """
+        n = src_slots.numel()
+        self.kv[:, :, :, :, dst_start : dst_start + n] = self.kv.index_select(4, src_slots)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # y = x / sqrt(mean(x^2) + eps) * w, computed in fp32 as HF does
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> Tensor:
+    """Inverse frequencies theta^(-2i/D), with Llama-3 frequency scaling when configured."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    sc = cfg.rope_scaling
+    if sc is None:
+        return inv
+    factor, low, high = sc["factor"], sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
+    old_len = sc["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    low_wl, high_wl = old_len / low, old_len / high
+    scaled = torch.where(wavelen > low_wl, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen >= high_wl) & (wavelen <= low_wl)
+    return torch.where(is_mid, mid, scaled)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+        self.attn_norm = RMSNorm(h, cfg.rms_eps)
+        self.wqkv = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(self.q_size, h, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_eps)
+        self.mlp_norm = RMSNorm(h, cfg.rms_eps)
+        self.w_gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
+        self.w_down = nn.Linear(cfg.intermediate_size, h, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, kv: Tensor, start: int) -> Tensor:
+        # x: [B, T, H]; cos/sin: [B, 1, T, D]; mask: [B, 1, T, start+T] bool; kv: [2, B, Hkv, S, D]
+        cfg = self.cfg
+        b, t, _ = x.shape
+        qkv = self.wqkv(self.attn_norm(x))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(b, t, cfg.num_heads, cfg.head_dim).transpose(1, 2)  # [B, Hq, T, D]
+        k = k.view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        v = v.view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        kv[0, :, :, start : start + t] = k
+        kv[1, :, :, start : start + t] = v
+        keys, values = kv[0, :, :, : start + t], kv[1, :, :, : start + t]
+        att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        x = x + self.wo(att.transpose(1, 2).reshape(b, t, self.q_size))
+        gate, up = self.w_gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.w_down(F.silu(gate) * up)
+
+
+class Transformer(nn.Module):
+    """The decoder.  ``forward`` never allocates the cache; see ``new_cache``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def new_cache(self, batch: int, max_slots: int) -> KVCache:
+        p = self.embed.weight
+        return KVCache(self.cfg, batch, max_slots, p.device, p.dtype)
+
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        mask: Tensor,
+        cache: KVCache,
+        start: int,
+        *,
+        hidden_layers: tuple[int, ...] = (),
+        logits: str = "all",
+    ) -> ForwardOutput:
+        """Run ``tokens`` [B, T] at RoPE ``positions`` [B, T], writing their K/V to cache slots
+        ``start .. start+T-1``.  ``mask`` [B, T, start+T] (True = may attend) covers every slot
+        read.  ``logits``: "all", "last" or "none".
+        """
+        x = self.embed(tokens)  # [B, T, H]
+        freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        mask4 = mask[:, None]  # [B, 1, T, S]
+        hidden: dict[int, Tensor] = {}
+        if 0 in hidden_layers:
+            hidden[0] = x
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, mask4, cache.kv[i], start)
+            if i + 1 in hidden_layers:
+                hidden[i + 1] = x
+        x = self.norm(x)
+        if FINAL in hidden_layers:
+            hidden[FINAL] = x
+        if logits == "none":
+            return ForwardOutput(logits=None, hidden=hidden)
+        if logits == "last":
+            x = x[:, -1:]
+        return ForwardOutput(logits=self.lm_head(x).float(), hidden=hidden)
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, sd: dict[str, Tensor]) -> None:
+        """Load weights named as in Hugging Face ``*ForCausalLM`` checkpoints (fusing q/k/v and gate/up)."""
+        cfg = self.cfg
+
+        def take(name: str) -> Tensor:
+            if name not in sd:
+                raise KeyError(name)
+            return sd[name]
+
+        self.embed.weight.copy_(take("model.embed_tokens.weight"))
+        self.norm.weight.copy_(take("model.norm.weight"))
+        if not cfg.tie_embeddings:
+            self.lm_head.weight.copy_(take("lm_head.weight"))
+        for i, blk in enumerate(self.blocks):
+            p = f"model.layers.{i}."
+            blk.attn_norm.weight.copy_(take(p + "input_layernorm.weight"))
+            blk.mlp_norm.weight.copy_(take(p + "post_attention_layernorm.weight"))
+            qkv = [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
+            blk.wqkv.weight.copy_(torch.cat(qkv, dim=0))
+            if cfg.qkv_bias:
+                blk.wqkv.bias.copy_(torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
+            blk.wo.weight.copy_(take(p + "self_attn.o_proj.weight"))
+            if cfg.qk_norm:
+                blk.q_norm.weight.copy_(take(p + "self_attn.q_norm.weight"))
+                blk.k_norm.weight.copy_(take(p + "self_attn.k_norm.weight"))
+            gate, up = take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")
+            blk.w_gate_up.weight.copy_(torch.cat([gate, up], dim=0))
+            blk.w_down.weight.copy_(take(p + "mlp.down_proj.weight"))
+
+
+def causal_mask(t: int, start: int, device=None) -> Tensor:
+    """[1, T, start+T] mask for T new tokens after ``start`` committed slots."""
+    m = torch.ones(t, start + t, dtype=torch.bool, device=device)
+    m[:, start:] = torch.tril(m[:, start:])
+    return m[None]

@@ -1,0 +1,125 @@
+"""The target model behind a small interface: prefill, forward over a tree, commit.
+
+``Target`` owns the model, its tokenizer and one static KV cache.  ``length`` slots of the cache
+hold the committed prefix; a tree pass writes its N nodes at slots ``length .. length+N-1``;
+``commit(path)`` compacts the accepted nodes' K/V to ``length ..`` and advances ``length``.
+Rejected slots are simply overwritten by the next pass.  Another backend (e.g. llama.cpp)
+only has to provide these methods.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from specdraft.errors import SpecdraftError
+from specdraft.model.config import ModelConfig
+from specdraft.model.llama import ForwardOutput, KVCache, Transformer, causal_mask
+from specdraft.tree import Tree
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+class Target:
+    def __init__(self, model: Transformer, tokenizer, name: str, weight_hash: str) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name
+        self.weight_hash = weight_hash
+        self.cache: KVCache | None = None
+        self.length = 0  # committed slots in the cache
+
+    @classmethod
+    def load(cls, target: str = "default", device: str = "cpu", dtype: str = "float32") -> "Target":
+        from specdraft.model.load import build_model, load_tokenizer, load_weights
+
+        if dtype not in DTYPES:
+            raise SpecdraftError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise SpecdraftError("--device cuda requested but no CUDA device is available")
+        w = load_weights(target)
+        model = build_model(w, device=device, dtype=DTYPES[dtype])
+        return cls(model, load_tokenizer(w), w.name, w.weight_hash)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.cfg
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed.weight.device
+
+    @property
+    def eos_ids(self) -> set[int]:
+        ids = set(self.config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return ids
+
+    # ------------------------------------------------------------------ text
+    def encode_prompt(self, prompt: str, raw: bool = False) -> list[int]:
+        """Token ids of ``prompt``, wrapped in the chat template unless ``raw``."""
+        if not prompt or not prompt.strip():
+            raise SpecdraftError("the prompt is empty")
+        tok = self.tokenizer
+        if not raw and getattr(tok, "chat_template", None):
+            text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                           add_generation_prompt=True)
+            return tok(text, add_special_tokens=False).input_ids
+        return tok(prompt).input_ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # ------------------------------------------------------------------ passes
+    def _mask(self, rows: Tensor) -> Tensor:
+        """[1, T, length+T]: all committed slots visible, then ``rows`` ([T, T]) for the new ones."""
+        t = rows.shape[0]
+        m = torch.ones(1, t, self.length + t, dtype=torch.bool, device=self.device)
+        m[0, :, self.length :] = rows
+        return m
+
+    def _run(self, tokens: list[int], positions: Tensor, mask: Tensor, hidden_layers, logits: str) -> ForwardOutput:
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        return self.model(ids, positions[None], mask, self.cache, self.length,
+                          hidden_layers=tuple(hidden_layers), logits=logits)
+
+    @torch.inference_mode()
+    def prefill(self, prompt_ids: list[int], max_slots: int, hidden_layers=()) -> ForwardOutput:
+        """Reset the cache and run the prompt; returns the last position's logits [1, 1, V]."""
+        n = len(prompt_ids)
+        if n == 0:
+            raise SpecdraftError("the prompt is empty")
+        ctx = self.config.max_position
+        if n >= ctx:
+            raise SpecdraftError(f"the prompt is {n} tokens, longer than the target's context of {ctx}")
+        window = self.config.sliding_window
+        if window is not None and max_slots > window:
+            raise SpecdraftError(f"sequences past the sliding window ({window} tokens) are not supported yet")
+        if self.cache is None or self.cache.max_slots < max_slots:
+            self.cache = self.model.new_cache(1, max_slots)
+        self.length = 0
+        pos = torch.arange(n, device=self.device)
+        out = self._run(prompt_ids, pos, causal_mask(n, 0, self.device), hidden_layers, "last")
+        self.length = n
+        return out
+
+    @torch.inference_mode()
+    def forward_tree(self, tree: Tree, hidden_layers=()) -> ForwardOutput:
+        """Logits [1, N, V] at every node of ``tree`` (node i at position length + depth[i])."""
+        n = len(tree)
+        if self.cache is None or self.length + n > self.cache.max_slots:
+            raise SpecdraftError("KV cache overflow: the tree does not fit after the committed prefix")
+        pos = torch.tensor(tree.depths, device=self.device) + self.length
+        rows = tree.ancestor_mask(self.device) if n > 1 else torch.ones(1, 1, dtype=torch.bool, device=self.device)
+        return self._run(tree.tokens, pos, self._mask(rows), hidden_layers, "all")
+
+    @torch.inference_mode()
+    def commit(self, path: list[int]) -> None:
+        """Keep the K/V of the accepted nodes ``path`` (root first) as the next committed slots."""
+        if path != list(range(len(path))):  # a linear prefix is already in place
+            src = torch.tensor(path, device=self.device) + self.length
+            self.cache.compact(src, self.length)
+        self.length += len(path)

@@ -32,13 +32,19 @@ class Target:
 
     @classmethod
     def load(cls, target: str = "default", device: str = "cpu", dtype: str = "float32") -> "Target":
-        from specdraft.model.load import build_model, load_tokenizer, load_weights
+        from specdraft.model.load import load_weights
 
         if dtype not in DTYPES:
             raise SpecdraftError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise SpecdraftError("--device cuda requested but no CUDA device is available")
-        w = load_weights(target)
+        return cls.from_weights(load_weights(target), device=device, dtype=dtype)
+
+    @classmethod
+    def from_weights(cls, w, device: str = "cpu", dtype: str = "float32") -> "Target":
+        """Build from ``specdraft.model.load.LoadedWeights`` (shared with an HF reference model)."""
+        from specdraft.model.load import build_model, load_tokenizer
+
         model = build_model(w, device=device, dtype=DTYPES[dtype])
         return cls(model, load_tokenizer(w), w.name, w.weight_hash)
 
@@ -81,7 +87,7 @@ class Target:
         m[0, :, self.length :] = rows
         return m
 
-    def _run(self, tokens: list[int], positions: Tensor, mask: Tensor, hidden_layers, logits: str) -> ForwardOutput:
+    def _run(self, tokens: list[int], positions: Tensor, mask: Tensor | None, hidden_layers, logits: str) -> ForwardOutput:
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         return self.model(ids, positions[None], mask, self.cache, self.length,
                           hidden_layers=tuple(hidden_layers), logits=logits)
@@ -113,8 +119,8 @@ class Target:
         if self.cache is None or self.length + n > self.cache.max_slots:
             raise SpecdraftError("KV cache overflow: the tree does not fit after the committed prefix")
         pos = torch.tensor(tree.depths, device=self.device) + self.length
-        rows = tree.ancestor_mask(self.device) if n > 1 else torch.ones(1, 1, dtype=torch.bool, device=self.device)
-        return self._run(tree.tokens, pos, self._mask(rows), hidden_layers, "all")
+        mask = self._mask(tree.ancestor_mask(self.device)) if n > 1 else None  # a lone root sees all
+        return self._run(tree.tokens, pos, mask, hidden_layers, "all")
 
     @torch.inference_mode()
     def commit(self, path: list[int]) -> None:

@@ -57,17 +57,19 @@ class KVCache:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """y = x / sqrt(mean(x^2) + eps) * w, normalised in fp32 as HF does.  With ``scale=False``
+    the weight w is folded into the next projection's columns (W diag(w)) by the loader."""
+
+    def __init__(self, dim: int, eps: float, scale: bool = True) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim)) if scale else None
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        # y = x / sqrt(mean(x^2) + eps) * w, computed in fp32 as HF does
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        y = x.float()
+        y = y * torch.rsqrt(y.square().mean(-1, keepdim=True) + self.eps)
+        y = y.to(x.dtype)
+        return y if self.weight is None else self.weight * y
 
 
 def rope_inv_freq(cfg: ModelConfig) -> Tensor:
@@ -88,9 +90,12 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
     return torch.where(is_mid, mid, scaled)
 
 
-def rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def interleave_rope_rows(w: Tensor, head_dim: int) -> Tensor:
+    """Reorder q/k output rows of each head from HF's half-split RoPE layout (pairs j, j+D/2)
+    to adjacent pairs (2i, 2i+1), so RoPE becomes one complex multiply.  q.k is unchanged
+    because q and k are permuted alike."""
+    h = w.shape[0] // head_dim
+    return w.reshape(h, 2, head_dim // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 class Block(nn.Module):
@@ -99,29 +104,31 @@ class Block(nn.Module):
         self.cfg = cfg
         h, d = cfg.hidden_size, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
-        self.attn_norm = RMSNorm(h, cfg.rms_eps)
+        self.attn_norm = RMSNorm(h, cfg.rms_eps, scale=False)  # folded into wqkv
         self.wqkv = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.wo = nn.Linear(self.q_size, h, bias=False)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_eps)
-            self.k_norm = RMSNorm(d, cfg.rms_eps)
-        self.mlp_norm = RMSNorm(h, cfg.rms_eps)
+        if cfg.qk_norm:  # one weight row per q head then per k head: [Hq+Hkv, D]
+            self.qk_norm_weight = nn.Parameter(torch.ones(cfg.num_heads + cfg.num_kv_heads, d))
+        self.mlp_norm = RMSNorm(h, cfg.rms_eps, scale=False)  # folded into w_gate_up
         self.w_gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
         self.w_down = nn.Linear(cfg.intermediate_size, h, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, kv: Tensor, start: int) -> Tensor:
-        # x: [B, T, H]; cos/sin: [B, 1, T, D]; mask: [B, 1, T, start+T] bool; kv: [2, B, Hkv, S, D]
+    def forward(self, x: Tensor, rot: Tensor, mask: Tensor | None, kv: Tensor, start: int) -> Tensor:
+        # x: [B, T, H]; rot: complex [B, T, 1, D/2]; mask: [B, 1, T, start+T] bool or None (all
+        # visible); kv: [2, B, Hkv, S, D]
         cfg = self.cfg
         b, t, _ = x.shape
-        qkv = self.wqkv(self.attn_norm(x))
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(b, t, cfg.num_heads, cfg.head_dim).transpose(1, 2)  # [B, Hq, T, D]
-        k = k.view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
-        v = v.view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        d, hq = cfg.head_dim, cfg.num_heads
+        qkv = self.wqkv(self.attn_norm(x))  # [B, T, (Hq + 2 Hkv) * D]
+        qk = qkv[..., : self.q_size + self.kv_size].unflatten(-1, (hq + cfg.num_kv_heads, d))
         if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+            qk = F.rms_norm(qk, (d,), None, cfg.rms_eps) * self.qk_norm_weight
+        # RoPE on q and k at once: rows are in (2i, 2i+1) pairs, rotate each pair by its angle
+        qk = torch.view_as_real(torch.view_as_complex(qk.unflatten(-1, (d // 2, 2)).float()) * rot)
+        qk = qk.flatten(-2).to(x.dtype)  # [B, T, Hq + Hkv, D]
+        q = qk[:, :, :hq].transpose(1, 2)  # [B, Hq, T, D]
+        k = qk[:, :, hq:].transpose(1, 2)  # [B, Hkv, T, D]
+        v = qkv[..., self.q_size + self.kv_size :].view(b, t, cfg.num_kv_heads, d).transpose(1, 2)
         kv[0, :, :, start : start + t] = k
         kv[1, :, :, start : start + t] = v
         keys, values = kv[0, :, :, : start + t], kv[1, :, :, : start + t]
@@ -153,7 +160,7 @@ class Transformer(nn.Module):
         self,
         tokens: Tensor,
         positions: Tensor,
-        mask: Tensor,
+        mask: Tensor | None,
         cache: KVCache,
         start: int,
         *,
@@ -162,18 +169,17 @@ class Transformer(nn.Module):
     ) -> ForwardOutput:
         """Run ``tokens`` [B, T] at RoPE ``positions`` [B, T], writing their K/V to cache slots
         ``start .. start+T-1``.  ``mask`` [B, T, start+T] (True = may attend) covers every slot
-        read.  ``logits``: "all", "last" or "none".
+        read; None means every slot is visible.  ``logits``: "all", "last" or "none".
         """
         x = self.embed(tokens)  # [B, T, H]
         freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        mask4 = mask[:, None]  # [B, 1, T, S]
+        rot = torch.polar(torch.ones_like(freqs), freqs)[:, :, None]  # e^{i*pos*theta}: [B, T, 1, D/2]
+        mask4 = None if mask is None else mask[:, None]  # [B, 1, T, S]
         hidden: dict[int, Tensor] = {}
         if 0 in hidden_layers:
             hidden[0] = x
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, mask4, cache.kv[i], start)
+            x = block(x, rot, mask4, cache.kv[i], start)
             if i + 1 in hidden_layers:
                 hidden[i + 1] = x
         x = self.norm(x)
@@ -201,18 +207,22 @@ class Transformer(nn.Module):
             self.lm_head.weight.copy_(take("lm_head.weight"))
         for i, blk in enumerate(self.blocks):
             p = f"model.layers.{i}."
-            blk.attn_norm.weight.copy_(take(p + "input_layernorm.weight"))
-            blk.mlp_norm.weight.copy_(take(p + "post_attention_layernorm.weight"))
-            qkv = [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
-            blk.wqkv.weight.copy_(torch.cat(qkv, dim=0))
+            attn_w = take(p + "input_layernorm.weight")  # folded: W diag(w)
+            mlp_w = take(p + "post_attention_layernorm.weight")
+            d = cfg.head_dim
+            q, k, v = (take(p + f"self_attn.{n}_proj.weight") for n in "qkv")
+            qkv = torch.cat([interleave_rope_rows(q, d), interleave_rope_rows(k, d), v])
+            blk.wqkv.weight.copy_(qkv * attn_w[None, :])
             if cfg.qkv_bias:
-                blk.wqkv.bias.copy_(torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
+                qb, kb, vb = (take(p + f"self_attn.{n}_proj.bias") for n in "qkv")
+                blk.wqkv.bias.copy_(torch.cat([interleave_rope_rows(qb, d), interleave_rope_rows(kb, d), vb]))
             blk.wo.weight.copy_(take(p + "self_attn.o_proj.weight"))
             if cfg.qk_norm:
-                blk.q_norm.weight.copy_(take(p + "self_attn.q_norm.weight"))
-                blk.k_norm.weight.copy_(take(p + "self_attn.k_norm.weight"))
+                qn = interleave_rope_rows(take(p + "self_attn.q_norm.weight"), d)
+                kn = interleave_rope_rows(take(p + "self_attn.k_norm.weight"), d)
+                blk.qk_norm_weight.copy_(torch.cat([qn.expand(cfg.num_heads, d), kn.expand(cfg.num_kv_heads, d)]))
             gate, up = take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")
-            blk.w_gate_up.weight.copy_(torch.cat([gate, up], dim=0))
+            blk.w_gate_up.weight.copy_(torch.cat([gate, up], dim=0) * mlp_w[None, :])
             blk.w_down.weight.copy_(take(p + "mlp.down_proj.weight"))
 
 

@@ -1,0 +1,72 @@
+"""The target's verification cost curve: time of one pass over N tree tokens, N = 1..64.
+
+On a CPU a pass over N tokens costs much more than one token (here, 8 tokens ~1.9x), so a
+drafter's node budget must be sized to this machine: ``budget_from_curve`` picks the largest
+tree whose pass costs at most ``max_ratio`` times a single-token pass.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specdraft.model.load import cache_dir
+from specdraft.tree import Tree
+
+
+def curve_path(target) -> Path:
+    dtype = str(target.model.embed.weight.dtype).replace("torch.", "")
+    name = f"{target.weight_hash[:16]}_{target.device.type}_{dtype}_t{torch.get_num_threads()}.json"
+    return cache_dir() / "cost_curves" / name
+
+
+def measure_cost_curve(target, max_n: int = 64, context: int = 256, repeats: int = 5, quiet: bool = False) -> dict:
+    """Median wall time (ms) of ``target.forward_tree`` on an N-node chain after ``context`` tokens."""
+    vocab = target.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(100, vocab, (context,), generator=g).tolist()
+    target.prefill(prompt, max_slots=context + max_n + 1)
+    ns = list(range(1, max_n + 1))
+    ms: list[float] = []
+    for n in tqdm(ns, desc="cost curve", disable=quiet):
+        tree = Tree(tokens=prompt[:n], parents=[-1] + list(range(n - 1)))
+        target.forward_tree(tree)  # warm-up for this shape
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            target.forward_tree(tree)
+            times.append(time.perf_counter() - t)
+        ms.append(1000 * statistics.median(times))
+    return {"target": target.name, "target_hash": target.weight_hash, "device": target.device.type,
+            "threads": torch.get_num_threads(), "context": context, "n": ns, "ms": ms,
+            "ratio": [m / ms[0] for m in ms]}
+
+
+def save_cost_curve(target, curve: dict) -> Path:
+    path = curve_path(target)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(curve, indent=1))
+    return path
+
+
+def load_cost_curve(target) -> dict | None:
+    path = curve_path(target)
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None  # a torn file: treated as not measured
+
+
+def budget_from_curve(curve: dict, max_ratio: float = 1.5, default: int = 8, cap: int = 32) -> int:
+    """Drafted nodes (tree size - 1) of the largest tree costing <= max_ratio x one token."""
+    ok = [n for n, r in zip(curve["n"], curve["ratio"]) if r <= max_ratio]
+    if not ok:
+        return default
+    return max(1, min(cap, max(ok) - 1))

@@ -1,0 +1,153 @@
+"""Command line: ``specdraft generate`` and ``specdraft bench``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from specdraft.errors import SpecdraftError
+
+
+def _add_target_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct GGUF), a .gguf file or an HF folder")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdraft", description="Lossless tree-verified speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text; the text streams to stdout, stats to stderr")
+    g.add_argument("prompt", nargs="?", help="the prompt (or use --file)")
+    g.add_argument("--file", help="read the prompt from this file ('-' = stdin)")
+    _add_target_args(g)
+    g.add_argument("--drafter", default="ngram", help="none, ngram (default: ngram)")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--budget", type=int, default=None, help="drafted nodes per tree (default: the drafter's)")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--raw", action="store_true", help="no chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+
+    b = sub.add_parser("bench", help="benchmark against HF transformers generate() on the same prompts")
+    b.add_argument("--drafter", action="append", default=[], help="drafter to run (repeatable)")
+    b.add_argument("--dataset", action="append", default=[], help="mtbench, humaneval, gsm or a .jsonl file (repeatable)")
+    b.add_argument("--n", type=int, default=20, help="prompts per dataset")
+    b.add_argument("--max-new-tokens", type=int, default=256)
+    b.add_argument("--budget", type=int, default=None)
+    b.add_argument("--out", default="bench_out", help="output folder (results.json, speedup.png)")
+    b.add_argument("--cost-curve", action="store_true", help="measure the target's pass time for N = 1..64 and store it")
+    b.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_target_args(b)
+    return parser
+
+
+def _read_prompt(args) -> str:
+    if args.file and args.prompt:
+        raise SpecdraftError("give the prompt as an argument or with --file, not both")
+    if args.file:
+        try:
+            return sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
+        except OSError as e:
+            raise SpecdraftError(f"cannot read {args.file}: {e.strerror}") from None
+    if args.prompt is None:
+        raise SpecdraftError("no prompt: pass it as an argument or with --file")
+    return args.prompt
+
+
+def cmd_generate(args) -> None:
+    from specdraft.drafters import make_drafter
+    from specdraft.generate import GenerateConfig, generate
+    from specdraft.target import Target
+    from specdraft.verify import Sampling
+
+    prompt = _read_prompt(args)
+    if not prompt.strip():
+        raise SpecdraftError("the prompt is empty")
+    sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    if args.max_new_tokens < 1:
+        raise SpecdraftError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
+    target = Target.load(args.target, device=args.device, dtype=args.dtype)
+    drafter = make_drafter(args.drafter, target)
+    ids = target.encode_prompt(prompt, raw=args.raw)
+    cfg = GenerateConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
+                         stop=args.stop, budget=args.budget)
+    on_text = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    r = generate(target, ids, drafter, cfg, on_text=on_text)
+    st = r.stats
+    if args.json:
+        obj = {"text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
+               "stats": {"new_tokens": st.new_tokens, "passes": st.passes, "tokens_per_pass": st.tokens_per_pass,
+                         "wall_s": st.wall_s, "tok_s": st.tok_s, "prompt_tokens": len(ids),
+                         "accept_hist": st.accept_hist, "draft_s": st.draft_s, "verify_s": st.verify_s,
+                         "prefill_s": st.prefill_s}}
+        print(json.dumps(obj))
+    else:
+        sys.stdout.write("\n")
+        print(f"[{drafter.name}] {st.new_tokens} tokens in {st.wall_s:.2f}s ({st.tok_s:.1f} tok/s), "
+              f"{st.passes} passes, {st.tokens_per_pass:.2f} tokens/pass, accepted-length histogram "
+              f"{st.accept_hist}, draft {st.draft_s:.2f}s, verify {st.verify_s:.2f}s, prefill {st.prefill_s:.2f}s "
+              f"({len(ids)} prompt tokens, finish: {r.finish_reason})", file=sys.stderr)
+
+
+def cmd_bench(args) -> None:
+    from specdraft.bench.runner import plot_cost_curve, run_bench
+
+    if args.cost_curve:
+        from specdraft.bench.cost import measure_cost_curve, save_cost_curve
+        from specdraft.target import Target
+
+        target = Target.load(args.target, device=args.device, dtype=args.dtype)
+        curve = measure_cost_curve(target, quiet=args.quiet)
+        path = save_cost_curve(target, curve)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "cost_curve.json").write_text(json.dumps(curve, indent=1))
+        plot_cost_curve(curve, out / "cost_curve.png")
+        picks = ", ".join(f"N={n}: {r:.2f}x" for n, r in zip(curve["n"], curve["ratio"]) if n in (1, 2, 4, 8, 16, 32, 64))
+        print(f"cost curve stored in {path} ({picks} one token's {curve['ms'][0]:.1f} ms)", file=sys.stderr)
+        if not args.dataset:
+            return
+    if not args.dataset:
+        raise SpecdraftError("give at least one --dataset (mtbench, humaneval, gsm or a .jsonl file)")
+    res = run_bench(args.drafter, args.dataset, n=args.n, max_new_tokens=args.max_new_tokens, out_dir=args.out,
+                    target_spec=args.target, device=args.device, budget=args.budget, quiet=args.quiet)
+    print(format_table(res))
+    print(f"wrote {Path(args.out) / 'results.json'} and {Path(args.out) / 'speedup.png'}", file=sys.stderr)
+
+
+def format_table(res: dict) -> str:
+    lines = ["| dataset | method | tok/s | vs hf_generate | vs greedy | tokens/pass | exact_match |",
+             "|---|---|---|---|---|---|---|"]
+    for ds, d in res["datasets"].items():
+        for m, v in d["methods"].items():
+            tpp = "-" if v["tokens_per_pass"] is None else f"{v['tokens_per_pass']:.2f}"
+            em = f"{v['exact_match']:.2f}" + ("" if v["exact_match"] == 1 or not v["divergences_all_ties"] else " (ties)")
+            lines.append(f"| {ds} | {m} | {v['tok_s']:.1f} | {v['speedup_vs_hf']:.2f}x | {v['speedup_vs_greedy']:.2f}x | {tpp} | {em} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            cmd_generate(args)
+        elif args.command == "bench":
+            cmd_bench(args)
+    except SpecdraftError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

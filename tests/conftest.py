@@ -1,0 +1,66 @@
+"""Shared fixtures: tiny random-weight HF models for most tests, the real default target for a few."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdraft.model.load import LoadedWeights, build_model, load_hf_folder
+from specdraft.target import Target
+
+TINY = {
+    "llama": dict(model_type="llama", vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0,
+                  tie_word_embeddings=False, eos_token_id=1, bos_token_id=0),
+    "qwen2": dict(model_type="qwen2", vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0,
+                  tie_word_embeddings=True, eos_token_id=1, bos_token_id=0),
+    "qwen3": dict(model_type="qwen3", vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                  rope_theta=10000.0, tie_word_embeddings=False, eos_token_id=1, bos_token_id=0),
+}
+
+
+def make_tiny_hf(arch: str, path, seed: int = 0, scale: float = 1.0):
+    """A random HF model saved as safetensors in ``path``; ``scale`` sharpens its distributions."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY[arch]), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.02 * scale * 10)
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+def tiny_target(path) -> Target:
+    w = load_hf_folder(path)
+    return Target(build_model(w), tokenizer=None, name=w.name, weight_hash=w.weight_hash)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_llama")
+    hf = make_tiny_hf("llama", path)
+    return hf, tiny_target(path), path
+
+
+@pytest.fixture(scope="session")
+def default_weights() -> LoadedWeights:
+    from specdraft.model.load import load_weights
+
+    return load_weights("default")
+
+
+@pytest.fixture(scope="session")
+def default_target(default_weights) -> Target:
+    return Target.from_weights(default_weights)
+
+
+@pytest.fixture(scope="session")
+def default_hf(default_weights):
+    from specdraft.bench.hf import build_hf_model
+
+    return build_hf_model(default_weights)

@@ -1,0 +1,99 @@
+"""Sample-and-match is lossless: speculative sampling through random trees reproduces the
+target's own distribution over 3-token continuations (chi-square, fixed seed)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import Counter
+
+import torch
+from scipy.stats import chisquare
+
+from specdraft.generate import GenerateConfig, generate
+from specdraft.tree import Tree
+from specdraft.verify import Sampling, target_probs
+
+SAMPLING = Sampling(temperature=0.9, top_k=3, top_p=0.95)
+PROMPT = [7, 21, 3]
+
+
+def exact_probs(target, prefix: list[int]) -> torch.Tensor:
+    out = target.prefill(PROMPT + prefix, max_slots=len(PROMPT) + len(prefix) + 1)
+    return target_probs(out.logits[0, -1], SAMPLING)
+
+
+class TopTreeDrafter:
+    """Random sub-trees of the target's top-3 x top-3 tree: every acceptance length occurs."""
+
+    name = "toptree"
+    hidden_layers = ()
+    default_budget = 12
+
+    def __init__(self, top: dict, seed: int):
+        self.top, self.rng = top, random.Random(seed)
+
+    def reset(self, prompt_ids, first_token, prefill):
+        self.done = [first_token]
+
+    def commit(self, accepted, out):
+        self.done.extend(accepted.new_tokens)
+
+    def propose(self, budget):
+        paths = []
+        for a in self.top.get(tuple(self.done), []):
+            if self.rng.random() < 0.7:
+                kids = [b for b in self.top.get(tuple(self.done) + (a,), []) if self.rng.random() < 0.6]
+                paths += [[a, b] for b in kids] or [[a]]
+        self.rng.shuffle(paths)
+        return Tree.from_paths(self.done[-1], paths, budget=budget)
+
+
+def test_sample_and_match_reproduces_target_distribution(tiny_llama, monkeypatch):
+    _, target, _ = tiny_llama
+    monkeypatch.setattr(target.model.cfg, "eos_token_ids", [])  # count full 3-token continuations
+    # exact distribution over (t1, t2, t3) with the sampling transforms applied
+    p1 = exact_probs(target, [])
+    support1 = p1.nonzero().flatten().tolist()
+    expected: dict[tuple[int, ...], float] = {}
+    top: dict[tuple[int, ...], list[int]] = {}
+    for a in support1:
+        p2 = exact_probs(target, [a])
+        s2 = p2.nonzero().flatten().tolist()
+        top[(a,)] = s2
+        for b in s2:
+            p3 = exact_probs(target, [a, b])
+            s3 = p3.nonzero().flatten().tolist()
+            top[(a, b)] = s3
+            for c in s3:
+                expected[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
+    assert abs(sum(expected.values()) - 1) < 1e-4 and len(expected) > 8
+
+    n = 2500
+    counts: Counter = Counter()
+    accepted_lengths: Counter = Counter()
+    for i in range(n):
+        cfg = GenerateConfig(max_new_tokens=3, sampling=SAMPLING, seed=i)
+        r = generate(target, PROMPT, TopTreeDrafter(top, seed=i), cfg)
+        assert r.finish_reason == "length" or len(r.token_ids) < 3
+        counts[tuple(r.token_ids)] += 1
+        accepted_lengths.update(r.stats.accept_hist)
+    assert sum(counts[k] for k in expected) == n  # nothing outside the support
+    keys = sorted(expected)
+    f_obs = [counts[k] for k in keys]
+    f_exp = [expected[k] * n for k in keys]
+    assert chisquare(f_obs, f_exp).pvalue > 1e-3
+    assert accepted_lengths[1] > 0 and accepted_lengths[0] > 0  # trees were really used
+
+    # the test has power: a distribution off by a little is rejected on the same counts
+    skew = [e * (1.3 if j % 2 else 0.7) for j, e in enumerate(f_exp)]
+    skew = [s * n / sum(skew) for s in skew]
+    assert chisquare(f_obs, skew).pvalue < 1e-3
+
+
+def test_target_probs_top_k_top_p():
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0])
+    p = target_probs(logits, Sampling(temperature=1.0, top_k=2))
+    assert p[2] == 0 and p[3] == 0 and abs(float(p.sum()) - 1) < 1e-6
+    p = target_probs(logits, Sampling(temperature=1.0, top_p=0.5))
+    assert p[0] == 1.0  # the first token alone already holds >= 0.5 of the mass

@@ -77,6 +77,9 @@ class Target:
         return tok(prompt).input_ids
 
     def decode(self, ids: list[int]) -> str:
+        """Text of ``ids``; a token-only target (no tokenizer, e.g. a test model) has none."""
+        if self.tokenizer is None:
+            return ""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     # ------------------------------------------------------------------ passes

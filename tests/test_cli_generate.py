@@ -36,11 +36,12 @@ def test_streamed_text_equals_final_text(default_target):
 def test_stop_string(default_target):
     ids = default_target.encode_prompt("Count from one to ten in words, separated by commas.")
     full = generate(default_target, ids, None, GenerateConfig(max_new_tokens=40))
-    assert "three" in full.text.lower()
-    stop = "three" if "three" in full.text else "Three"
+    assert len(full.text) > 20
+    stop = full.text[12:15]  # a piece of what greedy decoding writes anyway
     pieces: list[str] = []
     r = generate(default_target, ids, None, GenerateConfig(max_new_tokens=40, stop=[stop]), on_text=pieces.append)
-    assert r.finish_reason == "stop" and stop not in r.text and full.text.startswith(r.text)
+    assert r.finish_reason == "stop"
+    assert r.text == full.text[: full.text.find(stop)]
     assert "".join(pieces) == r.text
 
 

@@ -137,3 +137,12 @@ def test_corrupt_checkpoint(tmp_path):
     path.write_bytes(b"not a checkpoint at all")
     with pytest.raises(SpecdraftError, match="corrupt"):
         load_checkpoint(path)
+
+
+def test_incomplete_config_refused(tmp_path):
+    from specdraft.model.load import load_hf_folder
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(SpecdraftError, match="config.json lacks"):
+        load_hf_folder(tmp_path)

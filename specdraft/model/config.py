@@ -42,6 +42,10 @@ class ModelConfig:
             raise SpecdraftError(
                 f"unsupported model_type {arch!r}; specdraft supports {', '.join(SUPPORTED_ARCHS)}"
             )
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in hf]
+        if missing:
+            raise SpecdraftError(f"config.json lacks {', '.join(missing)}")
         heads = hf["num_attention_heads"]
         rope = hf.get("rope_parameters") or {}
         theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))

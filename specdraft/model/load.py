@@ -170,12 +170,12 @@ def load_hf_folder(path: Path) -> LoadedWeights:
         hf = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
         raise SpecdraftError(f"{cfg_path}: invalid JSON ({e})") from None
-    cfg = ModelConfig.from_hf(hf)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         if list(path.glob("*.bin")) or list(path.glob("*.pt")):
             raise SpecdraftError(f"{path}: only safetensors weights are loaded (found pickle .bin/.pt files)")
         raise SpecdraftError(f"{path}: no *.safetensors weights found")
+    cfg = ModelConfig.from_hf(hf)
     sd: dict[str, torch.Tensor] = {}
     for f in files:
         try:

@@ -1,4 +1,4 @@
-"""Command line: ``specdraft generate`` and ``specdraft bench``."""
+"""Command line: ``specdraft generate``, ``specdraft bench`` and ``specdraft data``."""
 
 from __future__ import annotations
 
@@ -43,8 +43,28 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--budget", type=int, default=None)
     b.add_argument("--out", default="bench_out", help="output folder (results.json, speedup.png)")
     b.add_argument("--cost-curve", action="store_true", help="measure the target's pass time for N = 1..64 and store it")
+    b.add_argument("--batch-curve", action="store_true", help="batched regeneration tok/s at batch 1, 8, 32, 64 vs single-stream")
     b.add_argument("--quiet", action="store_true", help="no progress bars")
     _add_target_args(b)
+
+    d = sub.add_parser("data", help="training data: the target's own responses to training prompts")
+    dsub = d.add_subparsers(dest="data_command", required=True)
+    db = dsub.add_parser("build", help="collect prompts, regenerate the target's greedy responses into shards (resumable)")
+    db.add_argument("--out", required=True, help="data folder (re-run with the same folder to resume)")
+    db.add_argument("--n-prompts", type=int, default=3000)
+    db.add_argument("--max-new-tokens", type=int, default=256)
+    db.add_argument("--sources", default="gsm,reasoning,codeio,magpie", help="comma-separated prompt sources")
+    db.add_argument("--batch-size", type=int, default=32)
+    db.add_argument("--shard-size", type=int, default=256)
+    db.add_argument("--quiet", action="store_true")
+    _add_target_args(db)
+    df = dsub.add_parser("features", help="cache the target's hidden states as fp16 shards")
+    df.add_argument("--data", required=True, help="data folder from `data build`")
+    df.add_argument("--out", required=True)
+    df.add_argument("--layers", default="-1", help="comma-separated layer indices (0 = embeddings, -1 = final normed)")
+    df.add_argument("--batch-size", type=int, default=8)
+    df.add_argument("--quiet", action="store_true")
+    _add_target_args(df)
     return parser
 
 
@@ -114,6 +134,20 @@ def cmd_bench(args) -> None:
         print(f"cost curve stored in {path} ({picks} one token's {curve['ms'][0]:.1f} ms)", file=sys.stderr)
         if not args.dataset:
             return
+    if args.batch_curve:
+        from specdraft.bench.batch import batch_curve
+        from specdraft.target import Target
+
+        target = Target.load(args.target, device=args.device, dtype=args.dtype)
+        res = batch_curve(target, quiet=args.quiet)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "batch_curve.json").write_text(json.dumps(res, indent=1))
+        print(f"single-stream {res['single_stream']['tok_s']:.1f} tok/s; " + "; ".join(
+            f"batch {b}: {v['tok_s']:.1f} tok/s ({v['speedup_vs_single']:.2f}x), {v['rows_equal_single']}/{res['n_prompts']} rows equal"
+            for b, v in res["batched"].items()), file=sys.stderr)
+        if not args.dataset:
+            return
     if not args.dataset:
         raise SpecdraftError("give at least one --dataset (mtbench, humaneval, gsm or a .jsonl file)")
     res = run_bench(args.drafter, args.dataset, n=args.n, max_new_tokens=args.max_new_tokens, out_dir=args.out,
@@ -133,6 +167,34 @@ def format_table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def cmd_data(args) -> None:
+    from specdraft.target import Target
+    from specdraft.train.data import BuildConfig, build_data, cache_features
+
+    if args.data_command == "build":
+        for name in ("n_prompts", "max_new_tokens", "batch_size", "shard_size"):
+            if getattr(args, name) < 1:
+                raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 1")
+        sources = tuple(x.strip() for x in args.sources.split(",") if x.strip())
+        cfg = BuildConfig(n_prompts=args.n_prompts, max_new_tokens=args.max_new_tokens, sources=sources,
+                          batch_size=args.batch_size, shard_size=args.shard_size)
+        target = Target.load(args.target, device=args.device, dtype=args.dtype)
+        m = build_data(target, args.out, cfg, quiet=args.quiet)
+        print(f"{m['sequences']} responses, {m['response_tokens']:,} response tokens, {len(m['shards'])} shards "
+              f"in {args.out} ({m['wall_s'] / 60:.1f} min of regeneration)", file=sys.stderr)
+    else:
+        try:
+            layers = tuple(int(x) for x in args.layers.split(","))
+        except ValueError:
+            raise SpecdraftError(f"--layers must be comma-separated integers (got {args.layers!r})") from None
+        target = Target.load(args.target, device=args.device, dtype=args.dtype)
+        bad = [x for x in layers if not -1 <= x <= target.config.num_layers]
+        if bad:
+            raise SpecdraftError(f"layer {bad[0]} out of range (0..{target.config.num_layers}, or -1)")
+        out = cache_features(target, args.data, args.out, layers, batch_size=args.batch_size, quiet=args.quiet)
+        print(f"features in {out}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -140,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
             cmd_generate(args)
         elif args.command == "bench":
             cmd_bench(args)
+        elif args.command == "data":
+            cmd_data(args)
     except SpecdraftError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

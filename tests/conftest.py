@@ -64,3 +64,23 @@ def default_hf(default_weights):
     from specdraft.bench.hf import build_hf_model
 
     return build_hf_model(default_weights)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_target(tmp_path_factory, default_weights):
+    """A tiny random model over the real SmolLM2 vocabulary, with the real tokenizer and chat template."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specdraft.model.load import load_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny_chat")
+    cfg = dict(TINY["llama"], vocab_size=default_weights.config.vocab_size, eos_token_id=2, bos_token_id=1)
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+    w = load_hf_folder(path)
+    return Target(build_model(w), tokenizer=load_tokenizer(default_weights), name="tiny-chat", weight_hash=w.weight_hash)

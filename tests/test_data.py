@@ -1,0 +1,134 @@
+"""Training data: batched greedy equals single-stream greedy, shards round-trip, an interrupted
+build resumes without loss, and no benchmark prompt reaches the training prompts."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from specdraft.batch import generate_batch
+from specdraft.errors import SpecdraftError
+from specdraft.generate import GenerateConfig, generate
+from specdraft.train import data as D
+from specdraft.train.prompts import Prompt, benchmark_prompt_set, collect_prompts, is_benchmark, normalize
+
+
+def test_batched_greedy_equals_single_stream(tiny_llama):
+    _, target, _ = tiny_llama
+    rng = random.Random(0)
+    prompts = [[rng.randrange(2, 96) for _ in range(rng.randint(1, 20))] for _ in range(9)]
+    res = generate_batch(target.model, prompts, max_new_tokens=20, eos_ids=target.eos_ids)
+    stopped = 0
+    for p, toks, fin in zip(prompts, res.tokens, res.finished):
+        ref = generate(target, p, None, GenerateConfig(max_new_tokens=20))
+        assert toks == ref.token_ids
+        assert fin == (ref.finish_reason == "stop")
+        stopped += fin
+    assert 0 < stopped < len(prompts) or res.steps > 0  # rows stop at different times
+
+
+def test_shard_round_trip(tmp_path):
+    seqs = [D.Sequence([5, 6, 7, 8], 2, 10, True), D.Sequence([9], 1, 11, False), D.Sequence(list(range(300)), 17, 12, True)]
+    path = tmp_path / "shard_00000.safetensors"
+    D.save_shard(path, seqs)
+    back = D.load_shard(path)
+    assert back == seqs
+    assert back[0].response == [7, 8]
+
+
+def test_corrupt_shard_names_the_file(tmp_path):
+    path = tmp_path / "shard_00000.safetensors"
+    D.save_shard(path, [D.Sequence([1, 2, 3], 1, 0, True)])
+    path.write_bytes(path.read_bytes()[:40])
+    with pytest.raises(SpecdraftError, match="shard_00000.safetensors"):
+        D.load_shard(path)
+
+
+def test_disk_full_is_a_clear_error(tmp_path, monkeypatch):
+    import errno
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("safetensors.torch.save_file", full)
+    with pytest.raises(SpecdraftError, match="disk full while writing .*shard_00003"):
+        D.save_shard(tmp_path / "shard_00003.safetensors", [D.Sequence([1, 2], 1, 0, True)])
+
+
+PROMPTS = [Prompt(i, "gsm", f"What is {i} plus {i + 1}? Answer briefly.", 1000) for i in range(7)]
+
+
+def test_build_resumes_after_interruption(tiny_chat_target, tmp_path, monkeypatch):
+    cfg = D.BuildConfig(n_prompts=7, max_new_tokens=6, batch_size=3, shard_size=2, sources=("gsm",))
+    ref = D.build_data(tiny_chat_target, tmp_path / "ref", cfg, quiet=True, prompts=list(PROMPTS))
+    assert ref["sequences"] == 7 and len(ref["shards"]) == 4
+
+    real_save = D.save_shard
+    calls = {"n": 0}
+
+    def flaky(path, seqs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt  # the user hits Ctrl-C while the third shard is written
+        real_save(path, seqs)
+
+    monkeypatch.setattr(D, "save_shard", flaky)
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        D.build_data(tiny_chat_target, out, cfg, quiet=True, prompts=list(PROMPTS))
+    partial = json.loads((out / "manifest.json").read_text())
+    assert [s["file"] for s in partial["shards"]] == ["shard_00000.safetensors", "shard_00001.safetensors"]
+    monkeypatch.setattr(D, "save_shard", real_save)
+    resumed = D.build_data(tiny_chat_target, out, cfg, quiet=True)  # prompts come from prompts.jsonl
+    assert resumed["sequences"] == 7 and resumed["response_tokens"] == ref["response_tokens"]
+    assert D.load_sequences(out) == D.load_sequences(tmp_path / "ref")
+    assert resumed["target_hash"] == tiny_chat_target.weight_hash and resumed["version"]
+
+
+def test_build_refuses_other_targets_folder(tiny_chat_target, tiny_llama, tmp_path):
+    cfg = D.BuildConfig(n_prompts=2, max_new_tokens=3, shard_size=2, sources=("gsm",))
+    D.build_data(tiny_chat_target, tmp_path, cfg, quiet=True, prompts=PROMPTS[:2])
+    with pytest.raises(SpecdraftError, match="not the loaded target"):
+        D.build_data(tiny_llama[1], tmp_path, cfg, quiet=True)
+
+
+def test_no_benchmark_prompt_in_training_prompts(monkeypatch):
+    from specdraft.bench.datasets import gsm_prompts, mtbench_prompts
+    import specdraft.train.prompts as P
+
+    bench = benchmark_prompt_set()
+    eval_gsm = gsm_prompts(5)
+    assert all(is_benchmark(p, bench) for p in eval_gsm + mtbench_prompts()[:5])
+    # plant benchmark prompts among the generated training prompts: they must be dropped
+    real = P.gsm_train_prompts
+    monkeypatch.setattr(P, "gsm_train_prompts",
+                        lambda n: [Prompt(0, "gsm", eval_gsm[0], 1000), Prompt(0, "gsm", "  " + eval_gsm[1].upper(), 1000)] + real(n))
+    prompts = collect_prompts(None, 120, sources=("gsm", "reasoning", "codeio"), quiet=True)
+    assert len(prompts) >= 100
+    assert {p.source for p in prompts} == {"gsm", "reasoning", "codeio"}
+    assert not any(is_benchmark(p.text, bench) for p in prompts)
+    assert len({normalize(p.text) for p in prompts}) == len(prompts)  # deduplicated
+    assert [p.id for p in prompts] == list(range(len(prompts)))
+
+
+def test_magpie_prompts_come_from_the_user_prefix(tiny_chat_target):
+    from specdraft.train.prompts import magpie_prompts, user_prefix
+
+    prefix = user_prefix(tiny_chat_target.tokenizer)
+    assert prefix.endswith("<|im_start|>user\n")
+    got = magpie_prompts(tiny_chat_target, 3, batch_size=8, quiet=True)
+    assert len({p.text for p in got}) == len(got)  # deduplicated (a random model may yield fewer)
+
+
+def test_features_match_single_sequence_forward(tiny_chat_target):
+    from specdraft.model.llama import FINAL
+
+    seqs = [D.Sequence([1, 5, 9, 13, 2], 2, 0, True), D.Sequence([1, 7, 2], 1, 1, True)]
+    fb = D.compute_features(tiny_chat_target, seqs, (1, FINAL))
+    assert fb.response_mask.tolist() == [[False, False, True, True, True], [False, True, True, False, False]]
+    single = D.compute_features(tiny_chat_target, seqs[1:], (1, FINAL))
+    assert torch.allclose(fb.hidden[FINAL][1, :3], single.hidden[FINAL][0], atol=1e-5)
+    assert D.feature_cache_bytes(seqs, (1, FINAL), 64) == 8 * 2 * 64 * 2

@@ -20,7 +20,7 @@ from specdraft.train.prompts import codeio_prompts, gsm_train_prompts, reasoning
 def batch_curve(target, n_prompts: int = 64, max_new_tokens: int = 64, sizes=(1, 8, 32, 64), quiet: bool = False) -> dict:
     third = n_prompts // 3 + 1
     texts = [p.text for p in gsm_train_prompts(third) + reasoning_prompts(third) + codeio_prompts(third)][:n_prompts]
-    ids = [target.encode_prompt(t) for t in texts]
+    ids = sorted((target.encode_prompt(t) for t in texts), key=len)  # as `data build` batches them
     eos = target.eos_ids
     t0 = time.perf_counter()
     single = [generate(target, p, None, GenerateConfig(max_new_tokens=max_new_tokens)).token_ids

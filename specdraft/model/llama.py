@@ -132,7 +132,13 @@ class Block(nn.Module):
         kv[0, :, :, start : start + t] = k
         kv[1, :, :, start : start + t] = v
         keys, values = kv[0, :, :, : start + t], kv[1, :, :, : start + t]
-        att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        # grouped-query attention without expanding K/V: the G query heads that share a KV head
+        # become G*T query rows of that head ([B, Hq, T, D] -> [B, Hkv, G*T, D]), mask rows likewise
+        g = hq // cfg.num_kv_heads
+        qg = q.reshape(b, cfg.num_kv_heads, g * t, d)
+        mg = mask if mask is None or g == 1 else mask.repeat(1, 1, g, 1)  # [B, 1, G*T, S]
+        att = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mg)  # [B, Hkv, G*T, D]
+        att = att.view(b, hq, t, d)
         x = x + self.wo(att.transpose(1, 2).reshape(b, t, self.q_size))
         gate, up = self.w_gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.w_down(F.silu(gate) * up)

@@ -7,6 +7,7 @@ single-stream output (a divergence at a top-2 logit gap under ``TIE_GAP`` is a f
 
 from __future__ import annotations
 
+import random
 import time
 
 from tqdm import tqdm
@@ -17,10 +18,12 @@ from specdraft.generate import GenerateConfig, generate
 from specdraft.train.prompts import codeio_prompts, gsm_train_prompts, reasoning_prompts
 
 
-def batch_curve(target, n_prompts: int = 64, max_new_tokens: int = 64, sizes=(1, 8, 32, 64), quiet: bool = False) -> dict:
-    third = n_prompts // 3 + 1
-    texts = [p.text for p in gsm_train_prompts(third) + reasoning_prompts(third) + codeio_prompts(third)][:n_prompts]
-    ids = sorted((target.encode_prompt(t) for t in texts), key=len)  # as `data build` batches them
+def batch_curve(target, n_prompts: int = 64, max_new_tokens: int = 64, sizes=(1, 8, 32, 64), quiet: bool = False,
+                max_prompt_tokens: int = 512) -> dict:
+    third = n_prompts // 2
+    texts = [p.text for p in gsm_train_prompts(third) + reasoning_prompts(third) + codeio_prompts(third)]
+    ids = [x for x in (target.encode_prompt(t) for t in texts) if len(x) <= max_prompt_tokens]
+    ids = sorted(random.Random(0).sample(ids, min(n_prompts, len(ids))), key=len)  # as `data build` batches them
     eos = target.eos_ids
     t0 = time.perf_counter()
     single = [generate(target, p, None, GenerateConfig(max_new_tokens=max_new_tokens)).token_ids

@@ -114,8 +114,9 @@ class Block(nn.Module):
         self.w_down = nn.Linear(cfg.intermediate_size, h, bias=False)
 
     def forward(self, x: Tensor, rot: Tensor, mask: Tensor | None, kv: Tensor, start: int) -> Tensor:
-        # x: [B, T, H]; rot: complex [B, T, 1, D/2]; mask: [B, 1, T, start+T] bool or None (all
-        # visible); kv: [2, B, Hkv, S, D]
+        # x: [B, T, H]; rot: complex [B, T, 1, D/2]; mask: additive [B, 1, G*T, start+T] (rows of
+        # the G query heads per KV head, see Transformer.forward) or None (all visible);
+        # kv: [2, B, Hkv, S, D]
         cfg = self.cfg
         b, t, _ = x.shape
         d, hq = cfg.head_dim, cfg.num_heads
@@ -136,8 +137,7 @@ class Block(nn.Module):
         # become G*T query rows of that head ([B, Hq, T, D] -> [B, Hkv, G*T, D]), mask rows likewise
         g = hq // cfg.num_kv_heads
         qg = q.reshape(b, cfg.num_kv_heads, g * t, d)
-        mg = mask if mask is None or g == 1 else mask.repeat(1, 1, g, 1)  # [B, 1, G*T, S]
-        att = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mg)  # [B, Hkv, G*T, D]
+        att = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)  # [B, Hkv, G*T, D]
         att = att.view(b, hq, t, d)
         x = x + self.wo(att.transpose(1, 2).reshape(b, t, self.q_size))
         gate, up = self.w_gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
@@ -180,7 +180,11 @@ class Transformer(nn.Module):
         x = self.embed(tokens)  # [B, T, H]
         freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
         rot = torch.polar(torch.ones_like(freqs), freqs)[:, :, None]  # e^{i*pos*theta}: [B, T, 1, D/2]
-        mask4 = None if mask is None else mask[:, None]  # [B, 1, T, S]
+        mask4 = None
+        if mask is not None:  # bool [B, T, S] -> additive, once for all layers: [B, 1, G*T, S]
+            g = self.cfg.num_heads // self.cfg.num_kv_heads
+            mask4 = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
+            mask4 = mask4[:, None].repeat(1, 1, g, 1) if g > 1 else mask4[:, None]
         hidden: dict[int, Tensor] = {}
         if 0 in hidden_layers:
             hidden[0] = x

@@ -52,6 +52,7 @@ class BuildConfig:
     sources: tuple[str, ...] = SOURCES  # prompt sources (see train/prompts.py)
     batch_size: int = 32  # rows decoded together
     shard_size: int = 256  # sequences per shard file
+    max_prompt_tokens: int = 512  # longer prompts (chat template included) are dropped: prefill is quadratic
 
 
 @dataclass
@@ -149,12 +150,17 @@ def build_data(target, out_dir: str | Path, cfg: BuildConfig | None = None, quie
     else:
         if prompts is None:
             prompts = collect_prompts(target, cfg.n_prompts, cfg.sources, quiet=quiet)
+        n_before = len(prompts)
+        prompts = [p for p in prompts if len(target.encode_prompt(p.text)) <= cfg.max_prompt_tokens]
+        for i, p in enumerate(prompts):
+            p.id = i
         _write_prompts(ppath, prompts)
         manifest = {
             "target_name": target.name, "target_hash": target.weight_hash, "version": project_version(),
             "config": {**asdict(cfg), "sources": list(cfg.sources)},
             "sources": _source_summary(prompts),
             "prompts_sha256": hashlib.sha256(ppath.read_bytes()).hexdigest(),
+            "prompts_dropped_too_long": n_before - len(prompts),
             "shards": [], "sequences": 0, "prompt_tokens": 0, "response_tokens": 0, "wall_s": 0.0,
             "created": time.strftime("%Y-%m-%d %H:%M:%S"),
         }

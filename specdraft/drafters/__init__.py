@@ -1,16 +1,64 @@
-"""Drafter registry: ``make_drafter(name, target)``."""
+"""Drafter registry: ``make_drafter(name, target)``.
+
+``name`` is a registered drafter (``none``, ``ngram``, ``phrase``, ...), which loads the weights
+shipped for the default target, or the path of a drafter checkpoint (``.safetensors``) trained
+with ``specdraft train``; its manifest says which kind it is.
+"""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from specdraft.drafters.base import Drafter, NoDrafter
 from specdraft.drafters.ngram import NgramConfig, NgramDrafter
 from specdraft.errors import SpecdraftError
 
-DRAFTERS = ("none", "ngram")
+DRAFTERS = ("none", "ngram", "phrase")
 
 
-def make_drafter(name: str, target=None) -> Drafter:
-    """Build the drafter ``name`` for ``target`` (its cost curve, if measured, sets the budget)."""
+def _checkpoint_kind(path: Path) -> str:
+    import json
+
+    from safetensors import safe_open
+
+    from specdraft.checkpoint import MANIFEST_KEY
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return json.loads((f.metadata() or {})[MANIFEST_KEY])["kind"]
+    except Exception:
+        raise SpecdraftError(f"{path} is not a specdraft drafter checkpoint (corrupt or missing manifest)") from None
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """``NAME[@key=value,...]`` -> (NAME, options); e.g. ``phrase@ngram=0,top_n=4``."""
+    name, _, rest = spec.partition("@")
+    opts = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise SpecdraftError(f"drafter option {item!r} in {spec!r} is not key=value")
+        opts[key.strip()] = value.strip()
+    return name, opts
+
+
+def make_drafter(name: str, target=None, budget: int | None = None) -> Drafter:
+    """Build the drafter ``name`` (or load a checkpoint path) for ``target``.
+
+    Options after ``@`` tune a drafter: ``phrase@ngram=0`` (no prompt-lookup candidates in the
+    tree), ``phrase@top_n=4`` (entries expanded per step).
+    """
+    name, opts = parse_spec(name)
+    path = None
+    if name.endswith(".safetensors") or "/" in name:
+        path = Path(name)
+        if not path.is_file():
+            raise SpecdraftError(f"drafter checkpoint {path} not found")
+        name = _checkpoint_kind(path)
+    allowed = {"phrase": {"ngram", "top_n"}}.get(name, set())
+    bad = sorted(set(opts) - allowed)
+    if bad:
+        raise SpecdraftError(f"drafter {name!r} has no option {bad[0]!r}" + (f" (options: {', '.join(sorted(allowed))})" if allowed else ""))
     if name == "none":
         return NoDrafter()
     if name == "ngram":
@@ -21,5 +69,18 @@ def make_drafter(name: str, target=None) -> Drafter:
             curve = load_cost_curve(target)
             if curve is not None:
                 cfg.budget = budget_from_curve(curve, default=cfg.budget)
+        if budget is not None:
+            cfg.budget = budget
         return NgramDrafter(cfg)
-    raise SpecdraftError(f"unknown drafter {name!r} (available: {', '.join(DRAFTERS)})")
+    if name == "phrase":
+        if target is None:
+            raise SpecdraftError("the phrase drafter needs the target (its hidden states and embeddings)")
+        from specdraft.drafters.phrase import load_phrase
+
+        try:
+            with_ngram = opts.get("ngram", "1") not in ("0", "false", "no")
+            top_n = int(opts["top_n"]) if "top_n" in opts else None
+        except ValueError:
+            raise SpecdraftError(f"phrase option top_n must be an integer (got {opts['top_n']!r})") from None
+        return load_phrase(target, path, budget=budget, with_ngram=with_ngram, top_n=top_n)
+    raise SpecdraftError(f"unknown drafter {name!r} (available: {', '.join(DRAFTERS)}, or a checkpoint path)")

@@ -1,0 +1,142 @@
+"""Offline acceptance: tokens per pass of a drafter without timing the target.
+
+Greedy output is fixed (lossless decoding reproduces it exactly), so how many tokens a drafter
+banks per pass only depends on its trees along that output.  ``simulate`` replays a generation:
+the target's hidden states come from *one* pass over prompt + greedy output, and at every step
+the drafter's tree is walked along the known continuation, exactly as greedy verification would.
+The drafter receives the hidden states of the accepted nodes (the only ones a lossless drafter
+may read), so tokens per pass matches a real run up to floating-point noise in the features.
+Use it to sweep vocabulary sizes and node budgets in minutes; timing belongs to ``bench``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from specdraft.model.llama import ForwardOutput, causal_mask
+from specdraft.verify import Accepted
+
+
+@torch.inference_mode()
+def greedy_outputs(target, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 10,
+                   cache: str | Path | None = None, quiet: bool = True) -> list[list[int]]:
+    """Greedy continuations (EOS kept when produced), batched; cached in ``cache`` (JSON) if given."""
+    from tqdm import tqdm
+
+    from specdraft.batch import generate_batch
+
+    key = {"target": target.weight_hash, "max_new_tokens": max_new_tokens, "prompts": prompts}
+    if cache is not None and Path(cache).is_file():
+        d = json.loads(Path(cache).read_text())
+        if d["key"] == key:
+            return d["outputs"]
+    outs: list[list[int]] = []
+    for i in tqdm(range(0, len(prompts), batch_size), desc="greedy outputs", disable=quiet):
+        chunk = prompts[i : i + batch_size]
+        res = generate_batch(target.model, chunk, max_new_tokens, target.eos_ids)
+        for toks, fin in zip(res.tokens, res.finished):
+            outs.append(list(toks) + ([min(target.eos_ids)] if fin and (not toks or toks[-1] not in target.eos_ids) else []))
+    if cache is not None:
+        Path(cache).parent.mkdir(parents=True, exist_ok=True)
+        Path(cache).write_text(json.dumps({"key": key, "outputs": outs}))
+    return outs
+
+
+@torch.inference_mode()
+def sequence_hidden(target, tokens: list[int], layers: tuple[int, ...]) -> dict[int, torch.Tensor]:
+    """Hidden states [1, T, H] of ``layers`` over the whole sequence in one causal pass."""
+    n = len(tokens)
+    cache = target.model.new_cache(1, n)
+    ids = torch.tensor([tokens], device=target.device)
+    pos = torch.arange(n, device=target.device)[None]
+    out = target.model(ids, pos, causal_mask(n, 0, target.device), cache, 0, hidden_layers=tuple(layers), logits="none")
+    return out.hidden
+
+
+def simulate(drafter, prompt: list[int], output: list[int], hidden: dict[int, torch.Tensor], budget: int,
+             trees: list | None = None) -> dict:
+    """Replay greedy decoding of ``output`` with ``drafter``; returns passes and tokens per pass.
+
+    ``hidden`` holds the states of prompt + output (from ``sequence_hidden``).  If ``trees`` is a
+    list, each step's (tree, accepted path) is appended to it.
+    """
+    full = list(prompt) + list(output)
+    p = len(prompt)
+    if not output:
+        return {"passes": 0, "tokens": 0, "tokens_per_pass": 0.0, "accept_hist": {}}
+    prefill = ForwardOutput(None, {k: v[:, :p] for k, v in hidden.items()})
+    drafter.reset(list(prompt), full[p], prefill)
+    n, passes, hist = p, 0, {}
+    while n < len(full) - 1:
+        tree = drafter.propose(budget)
+        node, path = 0, [0]
+        while n + len(path) < len(full):
+            nxt = tree.child(node, full[n + len(path)])
+            if nxt is None:
+                break
+            node = nxt
+            path.append(node)
+        d = len(path) - 1
+        passes += 1
+        hist[d] = hist.get(d, 0) + 1
+        if trees is not None:
+            trees.append((tree, path))
+        if n + d + 1 >= len(full):
+            break  # the output ends inside this tree: nothing left to predict
+        fake = {}
+        for k, v in hidden.items():
+            h = torch.zeros(1, len(tree), v.shape[-1], dtype=v.dtype, device=v.device)
+            h[0, path] = v[0, n : n + len(path)]
+            fake[k] = h
+        acc = Accepted(path=path, tokens=full[n + 1 : n + 1 + d], bonus=full[n + d + 1])
+        drafter.commit(acc, ForwardOutput(None, fake))
+        n += d + 1
+    committed = len(full) - p - 1
+    return {"passes": passes, "tokens": committed, "tokens_per_pass": committed / passes if passes else 0.0,
+            "accept_hist": dict(sorted(hist.items()))}
+
+
+def simulate_dataset(target, drafters: dict, prompts: list[list[int]], outputs: list[list[int]], budgets: list[int],
+                     quiet: bool = True) -> dict:
+    """Tokens per pass (committed tokens / passes, pooled over prompts) per drafter per budget."""
+    from tqdm import tqdm
+
+    layers = sorted({layer for d in drafters.values() for layer in d.hidden_layers})
+    tot = {name: {b: [0, 0] for b in budgets} for name in drafters}
+    for prompt, out in tqdm(list(zip(prompts, outputs)), desc="simulating", disable=quiet):
+        hidden = sequence_hidden(target, list(prompt) + list(out), tuple(layers)) if layers else {}
+        for name, d in drafters.items():
+            for b in budgets:
+                r = simulate(d, prompt, out, hidden, b)
+                tot[name][b][0] += r["tokens"]
+                tot[name][b][1] += r["passes"]
+    return {name: {b: (t / p if p else 0.0) for b, (t, p) in v.items()} for name, v in tot.items()}
+
+
+def acceptance_sweep(target, drafters: list[str], datasets: list[str], n: int, max_new_tokens: int,
+                     budgets: list[int], out_dir: str | Path, quiet: bool = False) -> dict:
+    """Offline tokens per pass per dataset x drafter x budget; writes DIR/acceptance.json."""
+    from specdraft.bench.datasets import load_prompts
+    from specdraft.drafters import make_drafter
+    from specdraft.errors import SpecdraftError
+
+    if not drafters:
+        raise SpecdraftError("give at least one --drafter")
+    if any(b < 0 for b in budgets):
+        raise SpecdraftError("budgets must be >= 0")
+    made = {spec: make_drafter(spec, target) for spec in dict.fromkeys(drafters)}
+    out = Path(out_dir)
+    res: dict = {"config": {"n": n, "max_new_tokens": max_new_tokens, "budgets": budgets, "target": target.name,
+                            "target_hash": target.weight_hash, "method": "offline replay of greedy output"},
+                 "datasets": {}}
+    for ds in datasets:
+        prompts = [target.encode_prompt(p) for p in load_prompts(ds, n)]
+        outs = greedy_outputs(target, prompts, max_new_tokens, cache=out / "greedy_outputs" / f"{Path(ds).stem}.json",
+                              quiet=quiet)
+        res["datasets"][ds] = simulate_dataset(target, made, prompts, outs, budgets, quiet=quiet)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "acceptance.json").write_text(json.dumps(res, indent=1))
+    return res

@@ -1,0 +1,449 @@
+"""Phrase drafter: vocabulary mining, labels, the MLP head and its training.
+
+Words are the target tokenizer's pre-tokenizer units (a BPE token never crosses one).  A draft
+entry is a span of one to three consecutive words of the target's regenerated responses; a span
+may start inside a word (the *remainder* of that word counts as its first word), so a position
+left mid-word by a rejected draft still gets proposals.  Each entry's expansion into target
+tokens is the greedy longest match of its text over the target vocabulary; an entry is kept
+only when that expansion equals the tokenization the target itself produced in context.
+Entries are ranked by the tokens they are expected to save (occurrences x length).
+
+Head input at a decoding step whose root (last committed, not yet verified) token is x_n: the
+final hidden state h_{n-1} (the state that predicted x_n) and the embedding of x_n.  It predicts
+the entry that continues x_{n+1}, ...: the label is the longest entry whose expansion is a prefix
+of the continuation; positions without one are masked out of the loss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from specdraft.errors import SpecdraftError
+
+FEATURE_LAYER = -1  # the final (normed) hidden state
+
+
+# ---------------------------------------------------------------------------- words and expansion
+
+
+class Vocab:
+    """Byte-level view of a target tokenizer: pieces, greedy longest match, word starts."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        vocab = tokenizer.get_vocab()
+        self.special = set(tokenizer.all_special_ids)
+        self.piece_of = {i: p for p, i in vocab.items()}
+        self.id_of = {p: i for p, i in vocab.items() if i not in self.special}
+        self.max_piece = max(len(p) for p in self.id_of)
+        self.pre = tokenizer.backend_tokenizer.pre_tokenizer
+
+    def pieces(self, ids: list[int]) -> str:
+        return "".join(self.piece_of[i] for i in ids)
+
+    def longest_match(self, text: str) -> list[int] | None:
+        """Greedy longest-match expansion of a byte-level string into token ids (None if stuck)."""
+        out, p = [], 0
+        while p < len(text):
+            for n in range(min(self.max_piece, len(text) - p), 0, -1):
+                tid = self.id_of.get(text[p : p + n])
+                if tid is not None:
+                    out.append(tid)
+                    p += n
+                    break
+            else:
+                return None
+        return out
+
+    def word_starts(self, ids: list[int]) -> list[bool] | None:
+        """For each token, whether it starts a pre-tokenizer word (None if the text does not round-trip)."""
+        byte_text = self.pieces(ids)
+        try:
+            text = self.tokenizer.convert_tokens_to_string([self.piece_of[i] for i in ids])
+        except Exception:
+            return None
+        words = self.pre.pre_tokenize_str(text)
+        if "".join(w for w, _ in words) != byte_text:
+            return None  # undecodable bytes: skip the response
+        bounds, pos = set(), 0
+        for w, _ in words:
+            bounds.add(pos)
+            pos += len(w)
+        starts, pos = [], 0
+        for i in ids:
+            starts.append(pos in bounds)
+            pos += len(self.piece_of[i])
+        return starts
+
+
+def split_response(seq_tokens: list[int], prompt_len: int, special: set[int]) -> list[int]:
+    """The response tokens up to (not including) the first special token."""
+    out = []
+    for t in seq_tokens[prompt_len:]:
+        if t in special:
+            break
+        out.append(t)
+    return out
+
+
+# ---------------------------------------------------------------------------- mining
+
+
+@dataclass
+class PhraseVocab:
+    texts: list[str]  # byte-level text of each entry (decode with the tokenizer for display)
+    expansions: list[list[int]]  # target token ids of each entry
+    counts: list[int]  # occurrences in the mined responses
+    stats: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.expansions)
+
+    def to_json(self) -> dict:
+        return {"texts": self.texts, "expansions": self.expansions, "counts": self.counts, "stats": self.stats}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "PhraseVocab":
+        return cls(d["texts"], [list(e) for e in d["expansions"]], d["counts"], d.get("stats", {}))
+
+    def trie(self) -> dict:
+        """token -> {..., -1: entry index}: for longest-match labelling."""
+        root: dict = {}
+        for k, exp in enumerate(self.expansions):
+            node = root
+            for t in exp:
+                node = node.setdefault(t, {})
+            node[-1] = k
+        return root
+
+
+def count_spans(responses: list[list[int]], vocab: Vocab, max_words: int = 3, max_tokens: int = 8) -> tuple[Counter, int]:
+    """Occurrences of every 1..max_words-word span (starting at any token) of the responses."""
+    counts: Counter = Counter()
+    skipped = 0
+    for r in responses:
+        starts = vocab.word_starts(r)
+        if starts is None:
+            skipped += 1
+            continue
+        ends = [j for j in range(1, len(r)) if starts[j]] + [len(r)]  # token index where each word ends
+        w = 0  # first word end strictly after i
+        for i in range(len(r)):
+            while ends[w] <= i:
+                w += 1
+            for k in range(max_words):
+                if w + k >= len(ends):
+                    break
+                e = ends[w + k]
+                if e - i > max_tokens:
+                    break
+                counts[tuple(r[i:e])] += 1
+    return counts, skipped
+
+
+def mine_vocab(responses: list[list[int]], vocab: Vocab, size: int = 8000, max_words: int = 3,
+               max_tokens: int = 8, min_count: int = 2) -> PhraseVocab:
+    """The ``size`` entries expected to save the most tokens (occurrences x expansion length)."""
+    if size < 1:
+        raise SpecdraftError(f"vocabulary size must be >= 1 (got {size})")
+    counts, skipped = count_spans(responses, vocab, max_words, max_tokens)
+    ranked = sorted(((c * len(s), c, s) for s, c in counts.items() if c >= min_count), key=lambda x: (-x[0], x[2]))
+    texts, exps, cnts = [], [], []
+    seen: set[str] = set()
+    mismatched = partial = 0
+    for _, c, span in ranked:
+        text = vocab.pieces(list(span))
+        if text in seen:
+            continue
+        if "\ufffd" in vocab.tokenizer.convert_tokens_to_string([vocab.piece_of[i] for i in span]):
+            partial += 1  # starts or ends inside a multi-byte character: not a phrase of text
+            continue
+        exp = vocab.longest_match(text)
+        if exp != list(span):
+            mismatched += 1  # the target tokenizes this text differently in context: not expandable
+            continue
+        seen.add(text)
+        texts.append(text)
+        exps.append(list(span))
+        cnts.append(c)
+        if len(texts) >= size:
+            break
+    stats = {"responses": len(responses), "responses_skipped": skipped, "distinct_spans": len(counts),
+             "spans_min_count": sum(1 for c in counts.values() if c >= min_count),
+             "dropped_expansion_mismatch": mismatched, "dropped_partial_character": partial, "max_words": max_words, "max_tokens": max_tokens,
+             "min_count": min_count}
+    return PhraseVocab(texts, exps, cnts, stats)
+
+
+def longest_entry(trie: dict, tokens: list[int], start: int, end: int | None = None) -> int:
+    """Index of the longest entry whose expansion is a prefix of tokens[start:end] (-1 if none)."""
+    end = len(tokens) if end is None else end
+    node, best = trie, -1
+    for p in range(start, end):
+        node = node.get(tokens[p])
+        if node is None:
+            break
+        best = node.get(-1, best)
+    return best
+
+
+# ---------------------------------------------------------------------------- head
+
+
+@dataclass
+class PhraseHeadConfig:
+    hidden_size: int  # target hidden size
+    vocab_size: int  # draft entries
+    bottleneck: int = 256
+    use_root_embedding: bool = True  # read the root token's (frozen target) embedding beside h
+
+
+class PhraseHead(nn.Module):
+    """[h ; e(root)] -> 256 -> SiLU -> 256 -> SiLU -> one 257-parameter row per entry."""
+
+    def __init__(self, cfg: PhraseHeadConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d_in = cfg.hidden_size * (2 if cfg.use_root_embedding else 1)
+        self.inp = nn.Linear(d_in, cfg.bottleneck)
+        self.mid = nn.Linear(cfg.bottleneck, cfg.bottleneck)
+        self.out = nn.Linear(cfg.bottleneck, cfg.vocab_size)
+
+    def forward(self, h: Tensor, e: Tensor | None = None) -> Tensor:
+        x = torch.cat([h, e], -1) if self.cfg.use_root_embedding else h
+        x = nn.functional.silu(self.inp(x))
+        x = nn.functional.silu(self.mid(x))
+        return self.out(x)
+
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+# ---------------------------------------------------------------------------- training data
+
+
+@dataclass
+class PhraseExamples:
+    feat_index: Tensor  # [N] row of the flat feature tensor holding h_{n-1}
+    root: Tensor  # [N] token x_n
+    label: Tensor  # [N] entry index
+    seq: Tensor  # [N] sequence index (for the held-out split)
+    positions: int  # response positions considered (labelled or not)
+
+
+def build_examples(seqs, pvocab: PhraseVocab, special: set[int]) -> PhraseExamples:
+    """One example per response position n (root x_n) with a matching entry; features row = n - 1."""
+    trie = pvocab.trie()
+    fi, roots, labels, sid = [], [], [], []
+    offset, positions = 0, 0
+    for k, s in enumerate(seqs):
+        toks = s.tokens
+        resp_end = s.prompt_len + len(split_response(toks, s.prompt_len, special))
+        for n in range(s.prompt_len, resp_end - 1):
+            positions += 1
+            lab = longest_entry(trie, toks, n + 1, resp_end)
+            if lab >= 0:
+                fi.append(offset + n - 1)
+                roots.append(toks[n])
+                labels.append(lab)
+                sid.append(k)
+        offset += len(toks)
+    t = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
+    return PhraseExamples(t(fi), t(roots), t(labels), t(sid), positions)
+
+
+def load_feature_rows(feat_dir: str | Path, data_manifest: dict, layer: int = FEATURE_LAYER) -> Tensor:
+    """The cached fp16 features of ``layer`` for every token of every shard, concatenated."""
+    from safetensors import safe_open
+
+    parts = []
+    for s in data_manifest["shards"]:
+        path = Path(feat_dir) / s["file"].replace("shard_", "features_")
+        if not path.is_file():
+            raise SpecdraftError(f"feature shard {path} is missing: run `specdraft data features --layers {layer}` first")
+        with safe_open(str(path), framework="pt") as f:
+            key = f"layer_{layer}"
+            if key not in f.keys():
+                raise SpecdraftError(f"{path} has no features of layer {layer} (has {', '.join(f.keys())})")
+            parts.append(f.get_tensor(key))
+    return torch.cat(parts)
+
+
+def manifest_hash(manifest: dict) -> str:
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+
+
+# ---------------------------------------------------------------------------- training
+
+
+@dataclass
+class TrainConfig:
+    vocab_size: int = 8000
+    epochs: int = 4
+    batch_size: int = 1024
+    lr: float = 2e-3
+    weight_decay: float = 0.01
+    holdout: float = 0.05  # share of sequences held out for validation
+    seed: int = 0
+    bottleneck: int = 256
+    use_root_embedding: bool = True
+
+
+def _state_path(out: Path) -> Path:
+    return out.with_name(out.name + ".resume.safetensors")
+
+
+def train_phrase(target, data_dir: str | Path, feat_dir: str | Path, out: str | Path, cfg: TrainConfig,
+                 quiet: bool = False, log=print) -> dict:
+    """Mine the vocabulary, train the head, write ``out`` (safetensors + manifest).  Resumable."""
+    from safetensors.torch import load_file, save_file
+    from tqdm import tqdm
+
+    from specdraft.checkpoint import save_checkpoint
+    from specdraft.train.data import load_sequences, read_manifest
+
+    out = Path(out)
+    data_manifest = read_manifest(Path(data_dir))
+    if data_manifest["target_hash"] != target.weight_hash:
+        raise SpecdraftError(f"{data_dir} was generated by target {data_manifest['target_name']!r}, not the loaded target")
+    seqs = load_sequences(data_dir)
+    voc = Vocab(target.tokenizer)
+    responses = [split_response(s.tokens, s.prompt_len, voc.special) for s in seqs]
+    t0 = time.perf_counter()
+    pvocab = mine_vocab(responses, voc, cfg.vocab_size)
+    ex = build_examples(seqs, pvocab, voc.special)
+    cover = len(ex.label) / max(1, ex.positions)
+    log(f"vocabulary: {len(pvocab)} entries mined in {time.perf_counter() - t0:.0f}s; "
+        f"{len(ex.label):,} of {ex.positions:,} response positions ({cover:.1%}) have a matching entry")
+    feats = load_feature_rows(feat_dir, data_manifest)
+    if feats.shape[0] != sum(len(s.tokens) for s in seqs):
+        raise SpecdraftError(f"features in {feat_dir} do not match the data in {data_dir}: recompute them")
+    embed = target.model.embed.weight.detach().float().cpu()
+
+    g = torch.Generator().manual_seed(cfg.seed)
+    n_seq = len(seqs)
+    held = torch.randperm(n_seq, generator=g)[: max(1, int(n_seq * cfg.holdout))]
+    is_held = torch.zeros(n_seq, dtype=torch.bool)
+    is_held[held] = True
+    val = is_held[ex.seq]
+    tr_idx, va_idx = (~val).nonzero().squeeze(1), val.nonzero().squeeze(1)
+
+    torch.manual_seed(cfg.seed)
+    head = PhraseHead(PhraseHeadConfig(target.config.hidden_size, len(pvocab), cfg.bottleneck, cfg.use_root_embedding))
+    n_target = sum(p.numel() for p in target.model.parameters())
+    log(f"head: {head.n_params():,} parameters ({head.n_params() / n_target:.3%} of the target's {n_target:,}); "
+        f"output layer {len(pvocab)} x {cfg.bottleneck + 1}")
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    steps_per_epoch = math.ceil(len(tr_idx) / cfg.batch_size)
+    total = steps_per_epoch * cfg.epochs
+
+    def set_lr(step: int) -> None:  # 100 warm-up steps, then cosine to zero
+        f = min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
+        for grp in opt.param_groups:
+            grp["lr"] = cfg.lr * f
+
+    state_path = _state_path(out)
+    fingerprint = {"config": asdict(cfg), "data": manifest_hash(data_manifest), "target": target.weight_hash}
+    start_epoch, history = 0, []
+    if state_path.is_file():
+        st = load_file(str(state_path))
+        meta = json.loads(bytes(st.pop("__meta__").tolist()).decode())
+        if meta["fingerprint"] == fingerprint:
+            head.load_state_dict({k[6:]: v for k, v in st.items() if k.startswith("model.")})
+            opt_state = opt.state_dict()
+            for i, p in enumerate(head.parameters()):
+                opt.state[p] = {"step": st[f"opt.{i}.step"], "exp_avg": st[f"opt.{i}.exp_avg"],
+                                "exp_avg_sq": st[f"opt.{i}.exp_avg_sq"]}
+            del opt_state
+            start_epoch, history = meta["epoch"], meta["history"]
+            log(f"resuming from {state_path} after epoch {start_epoch}")
+        else:
+            log(f"ignoring {state_path}: it belongs to another run configuration")
+
+    def batch(idx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        h = feats[ex.feat_index[idx]].float()
+        e = embed[ex.root[idx]]
+        return h, e, ex.label[idx]
+
+    @torch.no_grad()
+    def evaluate() -> dict:
+        head.eval()
+        top1 = top8 = 0
+        loss = 0.0
+        for i in range(0, len(va_idx), 4096):
+            h, e, y = batch(va_idx[i : i + 4096])
+            logits = head(h, e)
+            loss += float(nn.functional.cross_entropy(logits, y, reduction="sum"))
+            top = logits.topk(min(8, logits.shape[-1]), -1).indices
+            top1 += int((top[:, 0] == y).sum())
+            top8 += int((top == y[:, None]).any(-1).sum())
+        head.train()
+        n = max(1, len(va_idx))
+        return {"val_loss": loss / n, "val_top1": top1 / n, "val_top8": top8 / n}
+
+    t_train = time.perf_counter()
+    for epoch in range(start_epoch, cfg.epochs):
+        perm = tr_idx[torch.randperm(len(tr_idx), generator=torch.Generator().manual_seed(cfg.seed + epoch))]
+        bar = tqdm(range(steps_per_epoch), desc=f"epoch {epoch + 1}/{cfg.epochs}", disable=quiet)
+        run_loss = 0.0
+        for step in bar:
+            h, e, y = batch(perm[step * cfg.batch_size : (step + 1) * cfg.batch_size])
+            set_lr(epoch * steps_per_epoch + step)
+            loss = nn.functional.cross_entropy(head(h, e), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            lv = float(loss.detach())
+            run_loss = 0.98 * run_loss + 0.02 * lv if step else lv
+            if step % 20 == 0:
+                bar.set_postfix(loss=f"{run_loss:.3f}")
+        bar.close()
+        ev = evaluate()
+        ev["epoch"] = epoch + 1
+        history.append(ev)
+        log(f"epoch {epoch + 1}: train loss {run_loss:.3f}, val loss {ev['val_loss']:.3f}, "
+            f"top-1 {ev['val_top1']:.1%}, top-8 {ev['val_top8']:.1%}")
+        # resumable state after every epoch
+        st = {f"model.{k}": v.detach().clone() for k, v in head.state_dict().items()}
+        for i, p in enumerate(head.parameters()):
+            s = opt.state[p]
+            st[f"opt.{i}.step"] = torch.as_tensor(s["step"]).clone()
+            st[f"opt.{i}.exp_avg"] = s["exp_avg"].clone()
+            st[f"opt.{i}.exp_avg_sq"] = s["exp_avg_sq"].clone()
+        st["__meta__"] = torch.tensor(list(json.dumps({"fingerprint": fingerprint, "epoch": epoch + 1,
+                                                                "history": history}).encode()),
+                                      dtype=torch.uint8)
+        state_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = state_path.with_name(state_path.name + ".tmp")
+        save_file(st, str(tmp))
+        tmp.replace(state_path)
+
+    manifest = {
+        "kind": "phrase",
+        "target_name": target.name,
+        "target_hash": target.weight_hash,
+        "head": asdict(head.cfg),
+        "train": asdict(cfg),
+        "feature_layer": FEATURE_LAYER,
+        "vocab": pvocab.to_json(),
+        "coverage": {"labelled_positions": len(ex.label), "response_positions": ex.positions, "share": cover},
+        "data": {"dir": str(data_dir), "manifest_sha256": manifest_hash(data_manifest),
+                 "sequences": len(seqs), "response_tokens": data_manifest["response_tokens"]},
+        "history": history,
+        "params": head.n_params(),
+        "target_params": n_target,
+        "train_wall_s": time.perf_counter() - t_train,
+    }
+    save_checkpoint(out, {k: v.to(torch.float16) for k, v in head.state_dict().items()}, manifest)
+    state_path.unlink(missing_ok=True)
+    log(f"wrote {out}")
+    return manifest

@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--raw", action="store_true", help="no chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    g.add_argument("--quiet", action="store_true", help="no stats line on stderr")
 
     b = sub.add_parser("bench", help="benchmark against HF transformers generate() on the same prompts")
     b.add_argument("--drafter", action="append", default=[], help="drafter to run (repeatable)")
@@ -44,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default="bench_out", help="output folder (results.json, speedup.png)")
     b.add_argument("--cost-curve", action="store_true", help="measure the target's pass time for N = 1..64 and store it")
     b.add_argument("--batch-curve", action="store_true", help="batched regeneration tok/s at batch 1, 8, 32, 64 vs single-stream")
+    b.add_argument("--report", action="store_true",
+                   help="write OUT/report.md with plots from the JSON files in --out (after the run if --dataset is given)")
     b.add_argument("--quiet", action="store_true", help="no progress bars")
     _add_target_args(b)
 
@@ -65,6 +68,30 @@ def build_parser() -> argparse.ArgumentParser:
     df.add_argument("--batch-size", type=int, default=8)
     df.add_argument("--quiet", action="store_true")
     _add_target_args(df)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat/completions, completions, models, health)")
+    _add_target_args(sv)
+    sv.add_argument("--drafter", default="ngram", help="drafter name or checkpoint (default: ngram)")
+    sv.add_argument("--budget", type=int, default=None, help="drafted nodes per tree (default: the drafter's)")
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--model-name", default=None, help="model id clients send (default: the target's name)")
+    sv.add_argument("--max-queue", type=int, default=8, help="requests waiting behind the running one; more get 429")
+    sv.add_argument("--max-tokens", type=int, default=512, help="max_tokens when a request gives none")
+    sv.add_argument("--temperature", type=float, default=0.0, help="temperature when a request gives none (0 = greedy)")
+    sv.add_argument("--quiet", action="store_true", help="no access log")
+
+    c = sub.add_parser("chat", help="interactive terminal chat (streams replies, live tok/s and tokens per pass)")
+    _add_target_args(c)
+    c.add_argument("--drafter", default="ngram", help="drafter name or checkpoint (default: ngram)")
+    c.add_argument("--budget", type=int, default=None)
+    c.add_argument("--max-new-tokens", type=int, default=512)
+    c.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    c.add_argument("--top-p", type=float, default=1.0)
+    c.add_argument("--top-k", type=int, default=0)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--system", default=None, help="system prompt")
+    c.add_argument("--quiet", action="store_true", help="no live status or stats lines")
     return parser
 
 
@@ -110,6 +137,7 @@ def cmd_generate(args) -> None:
         print(json.dumps(obj))
     else:
         sys.stdout.write("\n")
+    if not args.json and not args.quiet:
         print(f"[{drafter.name}] {st.new_tokens} tokens in {st.wall_s:.2f}s ({st.tok_s:.1f} tok/s), "
               f"{st.passes} passes, {st.tokens_per_pass:.2f} tokens/pass, accepted-length histogram "
               f"{st.accept_hist}, draft {st.draft_s:.2f}s, verify {st.verify_s:.2f}s, prefill {st.prefill_s:.2f}s "
@@ -119,6 +147,11 @@ def cmd_generate(args) -> None:
 def cmd_bench(args) -> None:
     from specdraft.bench.runner import plot_cost_curve, run_bench
 
+    if args.report and not (args.dataset or args.cost_curve or args.batch_curve):
+        from specdraft.bench.report import write_report
+
+        print(f"wrote {write_report(args.out)}", file=sys.stderr)
+        return
     if args.cost_curve:
         from specdraft.bench.cost import measure_cost_curve, save_cost_curve
         from specdraft.target import Target
@@ -154,6 +187,10 @@ def cmd_bench(args) -> None:
                     target_spec=args.target, device=args.device, budget=args.budget, quiet=args.quiet)
     print(format_table(res))
     print(f"wrote {Path(args.out) / 'results.json'} and {Path(args.out) / 'speedup.png'}", file=sys.stderr)
+    if args.report:
+        from specdraft.bench.report import write_report
+
+        print(f"wrote {write_report(args.out)}", file=sys.stderr)
 
 
 def format_table(res: dict) -> str:
@@ -195,6 +232,56 @@ def cmd_data(args) -> None:
         print(f"features in {out}", file=sys.stderr)
 
 
+def _engine_parts(args):
+    from specdraft.drafters import make_drafter
+    from specdraft.target import Target
+
+    if args.budget is not None and args.budget < 0:
+        raise SpecdraftError(f"--budget must be >= 0 (got {args.budget})")
+    target = Target.load(args.target, device=args.device, dtype=args.dtype)
+    return target, make_drafter(args.drafter, target, budget=args.budget)
+
+
+def cmd_serve(args) -> None:
+    import ipaddress
+
+    try:
+        from specdraft.server.app import serve
+    except ImportError as e:
+        raise SpecdraftError(f"the server needs fastapi and uvicorn ({e})") from None
+    from specdraft.server.engine import Engine
+
+    if not 0 <= args.port <= 65535:
+        raise SpecdraftError(f"--port must be in 0..65535 (got {args.port})")
+    if args.temperature < 0:
+        raise SpecdraftError(f"--temperature must be >= 0 (got {args.temperature})")
+    target, drafter = _engine_parts(args)
+    engine = Engine(target, drafter, model_id=args.model_name, max_queue=args.max_queue,
+                    default_max_tokens=args.max_tokens, default_temperature=args.temperature, budget=args.budget)
+    try:
+        loopback = args.host == "localhost" or ipaddress.ip_address(args.host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        print(f"warning: binding to {args.host}, reachable from other machines; there is no authentication",
+              file=sys.stderr)
+    print(f"serving {engine.model_id} ({drafter.name} drafter) at http://{args.host}:{args.port}/v1", file=sys.stderr)
+    serve(engine, host=args.host, port=args.port, quiet=args.quiet)
+
+
+def cmd_chat(args) -> None:
+    from specdraft.chat import ChatSession, run_chat
+    from specdraft.generate import GenerateConfig
+    from specdraft.verify import Sampling
+
+    if args.max_new_tokens < 1:
+        raise SpecdraftError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
+    sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    target, drafter = _engine_parts(args)
+    cfg = GenerateConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, budget=args.budget)
+    run_chat(ChatSession(target, drafter, cfg, system=args.system), quiet=args.quiet)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -204,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
             cmd_bench(args)
         elif args.command == "data":
             cmd_data(args)
+        elif args.command == "serve":
+            cmd_serve(args)
+        elif args.command == "chat":
+            cmd_chat(args)
     except SpecdraftError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

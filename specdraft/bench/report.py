@@ -1,0 +1,347 @@
+"""``specdraft bench --report``: one Markdown report with PNG plots from the JSON files in a folder.
+
+Nothing is re-run; every input is optional and a file that cannot be read is named in the report
+instead of stopping it.  What is read from ``DIR``:
+
+* ``results.json`` (``specdraft bench``): the results table, ``speedup.png`` (tok/s relative
+  to HF ``generate()`` per dataset per method) and ``tokens_per_pass.png``: per drafter, the
+  share of target passes that committed k tokens, pooled over prompts, from the per-prompt
+  ``accept_hist`` rows (``{drafted tokens accepted: passes}``, so k = accepted + 1); results
+  written before those rows existed get the histogram of per-prompt tokens per pass instead.
+* ``cost_curve.json`` (``specdraft bench --cost-curve``: ``n``, ``ms``, ``ratio``):
+  ``budget_curve.png``, the cost of one pass over N tree tokens relative to one token, which is
+  also the tokens per pass a tree of N tokens must bank to break even, with the budget picked
+  from it and the drafters' measured tokens per pass.
+* ``budget_sweep*.json``: ``budget_sweep.png``, tokens per pass (and speedup, when given) against
+  the node budget.  Expected shape, per drafter::
+
+      {"ngram": {"budget": [1, 2, 4, 8],
+                 "tokens_per_pass": {"gsm": [1.4, 1.6, 1.7, 1.8], ...},   # or one list
+                 "speedup": {"gsm": [1.3, 1.5, 1.4, 1.2], ...}}}          # optional
+
+  ``{"ngram": {"1": 1.4, "2": 1.6}}`` (budget -> tokens per pass) is read too.
+  ``acceptance.json`` (offline replay: ``{"datasets": {dataset: {drafter: {budget: tokens per
+  pass}}}}``) is drawn on the same plot.
+* ``batch_curve.json`` (``specdraft bench --batch-curve``): a table.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from specdraft.errors import SpecdraftError
+
+HF_METHODS = ("hf_generate", "hf_prompt_lookup")
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    _plt().close(fig)
+
+
+def _log2_axis(ax, values) -> None:
+    from matplotlib.ticker import FixedLocator, NullFormatter, ScalarFormatter
+
+    ax.set_xscale("log", base=2)
+    hi = max(values) if values else 1
+    ax.xaxis.set_major_locator(FixedLocator([2**i for i in range(int(hi).bit_length() + 1) if 2**i <= 2 * hi]))
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
+def _load_json(path: Path, problems: list[str]):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        problems.append(f"`{path.name}` could not be read ({type(e).__name__}: {e})")
+        return None
+
+
+# ---------------------------------------------------------------------- tokens per pass
+def drafter_methods(results: dict) -> list[str]:
+    """Methods with speculative stats other than plain greedy, in the order they appear."""
+    seen: dict[str, None] = {}
+    for d in results.get("datasets", {}).values():
+        for m, v in d.get("methods", {}).items():
+            if m not in HF_METHODS and m != "greedy" and v.get("tokens_per_pass") is not None:
+                seen[m] = None
+    return list(seen)
+
+
+def committed_hist(rows: list[dict], method: str) -> dict[int, int] | None:
+    """Passes that committed k tokens (k = drafted tokens accepted + 1), pooled over prompts;
+    None when the rows carry no ``accept_hist``."""
+    hist: dict[int, int] = {}
+    found = False
+    for r in rows:
+        if r.get("method") != method or not isinstance(r.get("accept_hist"), dict):
+            continue
+        found = True
+        for k, v in r["accept_hist"].items():
+            hist[int(k) + 1] = hist.get(int(k) + 1, 0) + int(v)
+    return dict(sorted(hist.items())) if found else None
+
+
+def plot_tokens_per_pass(results: dict, path: Path) -> str | None:
+    """One panel per drafter; returns what the plot shows (for the caption) or None if nothing."""
+    methods = drafter_methods(results)
+    if not methods:
+        return None
+    plt = _plt()
+    datasets = list(results["datasets"])
+    fig, axes = plt.subplots(1, len(methods), figsize=(4.6 * len(methods), 3.6), squeeze=False)
+    kinds = set()
+    for ax, m in zip(axes[0], methods):
+        hists = {ds: committed_hist(results["datasets"][ds].get("rows", []), m) for ds in datasets}
+        if all(h is not None for h in hists.values()):
+            kinds.add("passes")
+            ks = sorted({k for h in hists.values() for k in h})
+            width = 0.8 / len(datasets)
+            for j, ds in enumerate(datasets):
+                total = sum(hists[ds].values()) or 1
+                ax.bar([k + (j - (len(datasets) - 1) / 2) * width for k in ks],
+                       [hists[ds].get(k, 0) / total for k in ks], width, label=ds)
+            ax.set_xticks(ks)
+            ax.set_xlabel("tokens committed by one target pass")
+            ax.set_ylabel("share of passes")
+        else:
+            kinds.add("prompts")
+            vals = {ds: [r["tokens_per_pass"] for r in results["datasets"][ds].get("rows", [])
+                         if r.get("method") == m and r.get("tokens_per_pass") is not None] for ds in datasets}
+            allv = [x for v in vals.values() for x in v]
+            lo, hi = (min(allv), max(allv)) if allv else (1.0, 2.0)
+            bins = [lo + (hi - lo + 1e-9) * i / 12 for i in range(13)]
+            for ds in datasets:
+                if vals[ds]:
+                    ax.hist(vals[ds], bins=bins, histtype="step", lw=1.6, label=ds)
+            ax.set_xlabel("tokens per pass of one prompt")
+            ax.set_ylabel("prompts")
+        tpp = {ds: results["datasets"][ds]["methods"].get(m, {}).get("tokens_per_pass") for ds in datasets}
+        ax.set_title(f"{m}: mean tokens/pass " + ", ".join(f"{ds} {v:.2f}" for ds, v in tpp.items() if v), fontsize=8)
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3, axis="y")
+    _save(fig, path)
+    if kinds == {"passes"}:
+        return "share of target passes that committed k tokens (accepted drafted tokens + the target's own), pooled over prompts"
+    return "distribution over prompts of each prompt's tokens per pass (these results carry no per-pass histogram)"
+
+
+# ---------------------------------------------------------------------- node budget
+def plot_budget_curve(curve: dict, results: dict | None, path: Path) -> int:
+    """Cost of an N-token pass relative to one token; returns the budget picked from the curve."""
+    from specdraft.bench.cost import budget_from_curve
+
+    plt = _plt()
+    budget = budget_from_curve(curve)
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    ax.plot(curve["n"], curve["ratio"], marker=".", label="pass cost / one-token pass")
+    ax.axhline(1.5, color="gray", ls="--", lw=0.8, label="1.5x: largest tree the default budget allows")
+    ax.axvline(budget + 1, color="tab:red", ls=":", lw=1, label=f"picked: {budget} drafted nodes (+ root)")
+    if results is not None:
+        for m in drafter_methods(results):
+            for ds, d in results["datasets"].items():
+                tpp = d["methods"].get(m, {}).get("tokens_per_pass")
+                if tpp:
+                    ax.scatter([budget + 1], [tpp], marker="x", zorder=3, label=f"{m} {ds}: {tpp:.2f} tokens/pass")
+    _log2_axis(ax, curve["n"])
+    ax.set_xlabel("tokens in one target pass (tree size N)")
+    ax.set_ylabel("relative cost = tokens/pass to break even")
+    ax.set_title(f"{curve.get('target', '?')}, {curve.get('device', '?')}, {curve.get('threads', '?')} threads, "
+                 f"one token {curve['ms'][0]:.1f} ms", fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    _save(fig, path)
+    return budget
+
+
+def sweep_series(sweep: dict) -> dict[str, dict]:
+    """Normalise a budget sweep to {drafter: {"budget": [...], metric: {dataset: [...]}}}."""
+    out: dict[str, dict] = {}
+    for drafter, v in sweep.items():
+        if not isinstance(v, dict):
+            continue
+        if "budget" in v and isinstance(v["budget"], list):
+            budgets = [float(b) for b in v["budget"]]
+            series = {"budget": budgets}
+            for metric in ("tokens_per_pass", "speedup", "tok_s"):
+                m = v.get(metric)
+                if isinstance(m, list):
+                    m = {"all": m}
+                if isinstance(m, dict):
+                    series[metric] = {ds: [float(x) for x in xs] for ds, xs in m.items()
+                                      if isinstance(xs, list) and len(xs) == len(budgets)}
+            out[drafter] = series
+        elif v and all(isinstance(x, (int, float)) for x in v.values()):
+            try:
+                pairs = sorted((float(b), float(x)) for b, x in v.items())
+            except ValueError:
+                continue
+            out[drafter] = {"budget": [b for b, _ in pairs], "tokens_per_pass": {"all": [x for _, x in pairs]}}
+    return out
+
+
+def acceptance_series(d: dict) -> dict[str, dict]:
+    """``specdraft analyze acceptance`` output, {"datasets": {dataset: {drafter: {budget: tokens/pass}}}},
+    as budget-sweep series."""
+    out: dict[str, dict] = {}
+    per_ds = d.get("datasets")
+    for ds, per in (per_ds.items() if isinstance(per_ds, dict) else []):
+        for drafter, series in (sweep_series(per) if isinstance(per, dict) else {}).items():
+            cur = out.setdefault(drafter, {"budget": series["budget"], "tokens_per_pass": {}})
+            if cur["budget"] == series["budget"]:
+                cur["tokens_per_pass"][ds] = series["tokens_per_pass"]["all"]
+    return out
+
+
+def plot_budget_sweep(series: dict[str, dict], path: Path) -> bool:
+    metrics = [m for m in ("tokens_per_pass", "speedup", "tok_s") if any(s.get(m) for s in series.values())]
+    if not metrics:
+        return False
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 3.6), squeeze=False)
+    labels = {"tokens_per_pass": "tokens per pass", "speedup": "speedup", "tok_s": "tok/s"}
+    for ax, metric in zip(axes[0], metrics):
+        for drafter, s in series.items():
+            for ds, ys in (s.get(metric) or {}).items():
+                ax.plot(s["budget"], ys, marker="o", ms=3, label=drafter if ds == "all" else f"{drafter} {ds}")
+        _log2_axis(ax, [b for s in series.values() for b in s["budget"]])
+        ax.set_xlabel("node budget (drafted nodes per tree)")
+        ax.set_ylabel(labels[metric])
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    _save(fig, path)
+    return True
+
+
+# ---------------------------------------------------------------------- the report
+def _config_line(cfg: dict) -> str:
+    keys = ("target", "device", "threads", "n", "max_new_tokens", "budget", "date")
+    return ", ".join(f"{k} {cfg[k]}" for k in keys if k in cfg)
+
+
+def _json_section(out: Path, name: str, used: set[str], problems: list[str], render) -> list[str]:
+    """``render(data)`` of ``out/name`` if it exists; a file that does not fit becomes a problem line."""
+    path = out / name
+    if not path.is_file():
+        return []
+    used.add(name)
+    data = _load_json(path, problems)
+    if data is None:
+        return []
+    try:
+        return render(data)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+        problems.append(f"`{name}` is missing fields ({type(e).__name__}: {e})")
+        return []
+
+
+def _cost_section(curve: dict, results: dict | None, out: Path) -> list[str]:
+    budget = plot_budget_curve(curve, results, out / "budget_curve.png")
+    picks = ", ".join(f"{n}: {r:.2f}x" for n, r in zip(curve["n"], curve["ratio"]) if n in (2, 4, 8, 16, 32, 64))
+    return ["## Verification cost and node budget", "",
+            f"`cost_curve.json`: one target pass over N tokens relative to one token ({picks}; one token "
+            f"{curve['ms'][0]:.1f} ms). A tree of N tokens pays off only when a pass banks more than that "
+            f"many tokens; the default budget is the largest tree costing at most 1.5x one token: "
+            f"{budget} drafted nodes. The crosses are the drafters' measured tokens per pass.", "",
+            "![node budget](budget_curve.png)", ""]
+
+
+def _batch_section(bc: dict) -> list[str]:
+    n = bc["n_prompts"]
+    return (["## Batched regeneration", "",
+             f"`batch_curve.json`: {n} prompts, {bc['max_new_tokens']} new tokens each, greedy.", "",
+             "| decoding | tok/s | vs single-stream | rows equal to single-stream |", "|---|---|---|---|",
+             f"| single-stream | {bc['single_stream']['tok_s']:.1f} | 1.00x | - |"]
+            + [f"| batch {b} | {v['tok_s']:.1f} | {v['speedup_vs_single']:.2f}x | {v['rows_equal_single']}/{n} |"
+               for b, v in bc["batched"].items()] + [""])
+
+
+def write_report(out_dir: str | Path) -> Path:
+    """Write ``out_dir/report.md`` (and its PNGs) from the JSON files there; returns its path."""
+    from specdraft.bench.runner import plot_results
+    from specdraft.cli import format_table
+
+    out = Path(out_dir)
+    if not out.is_dir():
+        raise SpecdraftError(f"no folder {out} (run `specdraft bench --out {out}` first)")
+    files = sorted(out.glob("*.json"))
+    if not files:
+        raise SpecdraftError(f"no JSON results in {out} (run `specdraft bench --out {out}` first)")
+    problems: list[str] = []
+    used: set[str] = set()
+    md = ["# specdraft benchmark report", ""]
+    n_intro = len(md)
+
+    results = None
+    if (out / "results.json").is_file():
+        used.add("results.json")
+        results = _load_json(out / "results.json", problems)
+        if results is not None and not (isinstance(results, dict) and isinstance(results.get("datasets"), dict)
+                                        and results["datasets"]):
+            problems.append("`results.json` has no `datasets`")
+            results = None
+    if results is not None:
+        cfg = results.get("config", {})
+        md += [f"Source: `results.json` ({_config_line(cfg)}).", "",
+               f"Command: `specdraft bench {' '.join('--drafter ' + d for d in cfg.get('drafters', []))} "
+               f"{' '.join('--dataset ' + d for d in results['datasets'])} --n {cfg.get('n', '?')} "
+               f"--max-new-tokens {cfg.get('max_new_tokens', '?')}`", "",
+               "## Speed", "", "tok/s = all new tokens / all wall time (prefill included); tokens/pass = tokens "
+               "committed by the target passes after prefill / those passes.", ""]
+        try:
+            md += [format_table(results), ""]
+            plot_results(results, out / "speedup.png")
+            md += ["![speedup per dataset per method](speedup.png)", ""]
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+            problems.append(f"`results.json` is missing fields for the table or speedup plot ({type(e).__name__}: {e})")
+        try:
+            caption = plot_tokens_per_pass(results, out / "tokens_per_pass.png")
+        except (KeyError, TypeError, ValueError) as e:
+            caption = None
+            problems.append(f"tokens-per-pass histogram skipped ({type(e).__name__}: {e})")
+        if caption:
+            md += ["## Tokens per pass", "", f"Per drafter: {caption}.", "",
+                   "![tokens per pass](tokens_per_pass.png)", ""]
+
+    md += _json_section(out, "cost_curve.json", used, problems, lambda c: _cost_section(c, results, out))
+
+    sweeps: dict[str, dict] = {}
+    sweep_files = [p for p in files if p.name.startswith("budget_sweep") or p.name == "acceptance.json"]
+    for p in sweep_files:
+        used.add(p.name)
+        d = _load_json(p, problems)
+        if isinstance(d, dict):
+            replay = p.name == "acceptance.json"
+            found = acceptance_series(d) if replay else sweep_series(d)
+            if not found:
+                problems.append(f"`{p.name}` has no series in the expected shape")
+            sweeps.update({f"{k} (offline replay)" if replay else k: v for k, v in found.items()})
+    if sweeps and plot_budget_sweep(sweeps, out / "budget_sweep.png"):
+        md += ["## Node-budget sweep", "", "From " + ", ".join(f"`{p.name}`" for p in sweep_files) + ".", "",
+               "![node-budget sweep](budget_sweep.png)", ""]
+
+    md += _json_section(out, "batch_curve.json", used, problems, _batch_section)
+
+    rendered = len(md) > n_intro
+    others = [p.name for p in files if p.name not in used]
+    if others:
+        md += ["## Other files", "", "Not rendered: " + ", ".join(f"`{n}`" for n in others) + ".", ""]
+    if problems:
+        md += ["## Problems", ""] + [f"- {p}" for p in problems] + [""]
+    if not rendered:
+        md += ["Nothing to report: no readable `results.json`, `cost_curve.json`, `budget_sweep*.json` or "
+               "`batch_curve.json`.", ""]
+    path = out / "report.md"
+    path.write_text("\n".join(md))
+    return path

@@ -1,0 +1,404 @@
+"""OpenAI-compatible HTTP API over an ``Engine`` (FastAPI + uvicorn).
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (``stream: true`` = server-sent
+events ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``.
+
+Every bad request gets a 4xx with an OpenAI-style body ``{"error": {"message", "type", "param",
+"code"}}``: 400 for invalid JSON, missing or ill-typed fields, out-of-range values and an
+unknown model; 413 for a body over the limit; 429 when the queue is full.  ``usage`` carries
+``prompt_tokens``, ``completion_tokens``, ``total_tokens`` and the speculative stats
+(``passes``, ``tokens_per_pass``, ``accept_hist``, ``tok_s``, ``drafter``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import threading
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specdraft.errors import SpecdraftError
+from specdraft.generate import GenerationResult
+from specdraft.server.engine import Cancelled, Engine, Job, encode_messages
+
+log = logging.getLogger("specdraft.server")
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("specdraft")
+    except Exception:  # running from a source tree without an install
+        return "0"
+
+
+__version__ = _version()
+MAX_BODY_BYTES = 4 << 20
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
+
+# ---------------------------------------------------------------------- request schemas
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def as_template_turn(self) -> dict:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class _Common(_Strict):
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)  # extension
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = Field(None, ge=1, le=1)  # one choice per request
+
+    def stops(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > 4:
+            raise _BadRequest("stop: at most 4 stop sequences", "stop")
+        if any(not s for s in stops):
+            raise _BadRequest("stop: stop sequences must be non-empty strings", "stop")
+        return stops
+
+    def limit(self) -> int | None:
+        return self.max_tokens
+
+
+class ChatRequest(_Common):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    def prompt_ids(self, engine: Engine) -> list[int]:
+        return encode_messages(engine.target, [m.as_template_turn() for m in self.messages])
+
+    def limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int]
+
+    def prompt_ids(self, engine: Engine) -> list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and all(isinstance(x, int) for x in p):
+            vocab = engine.target.config.vocab_size
+            if any(not 0 <= x < vocab for x in p):
+                raise _BadRequest(f"prompt: token ids must be in [0, {vocab})", "prompt")
+            return list(p)
+        if isinstance(p, list):
+            if len(p) != 1:
+                raise _BadRequest("prompt: exactly one prompt per request (got a list of "
+                                  f"{len(p)})", "prompt")
+            p = p[0]
+        return engine.target.encode_prompt(p, raw=True)
+
+
+class _BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 type_: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = message, param, status, type_, code
+
+
+def _error(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+           code: str | None = None, headers: dict | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _describe(e: ValidationError) -> tuple[str, str | None]:
+    """One line for a pydantic error: 'loc: message' for the first few problems."""
+    errs = e.errors(include_url=False)
+    parts, first = [], None
+    for err in errs[:3]:
+        loc = ".".join(str(x) for x in err["loc"])
+        first = first or (str(err["loc"][0]) if err["loc"] else None)
+        if err["type"] == "json_invalid":
+            parts.append(f"the body is not valid JSON ({err['msg']})")
+        elif err["type"] == "model_type" and not err["loc"]:
+            parts.append("the body must be a JSON object")
+        else:
+            parts.append(f"{loc or 'body'}: {err['msg']}")
+    more = f" (and {len(errs) - 3} more)" if len(errs) > 3 else ""
+    return "invalid request: " + "; ".join(parts) + more, first
+
+
+# ---------------------------------------------------------------------- responses
+def _usage(engine: Engine, prompt_len: int, r: GenerationResult) -> dict:
+    st = r.stats
+    return {"prompt_tokens": prompt_len, "completion_tokens": st.new_tokens,
+            "total_tokens": prompt_len + st.new_tokens, "passes": st.passes,
+            "tokens_per_pass": round(st.tokens_per_pass, 4),
+            "accept_hist": {str(k): v for k, v in st.accept_hist.items()},
+            "tok_s": round(st.tok_s, 2), "wall_s": round(st.wall_s, 4), "drafter": engine.drafter.name}
+
+
+class _Kind:
+    """What differs between chat and text completions."""
+
+    def __init__(self, chat: bool) -> None:
+        self.chat = chat
+        self.prefix = "chatcmpl" if chat else "cmpl"
+        self.object = "chat.completion" if chat else "text_completion"
+        self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
+
+    def choice(self, text: str, finish: str | None) -> dict:
+        if self.chat:
+            return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                    "finish_reason": finish}
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+    def delta(self, text: str | None, finish: str | None, first: bool = False) -> dict:
+        if self.chat:
+            d = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
+            return {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+
+def _sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+
+# ---------------------------------------------------------------------- the app
+def create_app(engine: Engine, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="specdraft", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.engine = engine
+    created = int(time.time())
+    fingerprint = f"specdraft-{__version__}-{engine.drafter.name}"
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return _error(exc.status_code, str(exc.detail), "invalid_request_error" if exc.status_code < 500 else "server_error")
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        return _error(400, f"invalid request: {exc.errors()[:3]}")
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        log.exception("internal error")
+        return _error(500, f"internal error: {type(exc).__name__}", "server_error")
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": engine.model_id, "drafter": engine.drafter.name,
+                "context": engine.context, "queue": engine.load()}
+
+    def model_card() -> dict:
+        return {"id": engine.model_id, "object": "model", "created": created, "owned_by": "specdraft",
+                "drafter": engine.drafter.name, "context_length": engine.context}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != engine.model_id:
+            return _error(404, f"model {model_id!r} not found (this server has {engine.model_id!r})",
+                          param="model", code="model_not_found")
+        return model_card()
+
+    async def read_body(request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+            raise _BadRequest(f"the body is over {max_body_bytes} bytes", status=413)
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > max_body_bytes:
+                raise _BadRequest(f"the body is over {max_body_bytes} bytes", status=413)
+        return bytes(body)
+
+    async def handle(request: Request, schema: type[_Common], kind: _Kind):
+        try:
+            req = schema.model_validate_json(await read_body(request))
+            if req.model != engine.model_id:
+                raise _BadRequest(f"model {req.model!r} not found (this server has {engine.model_id!r}; "
+                                  "see GET /v1/models)", "model", code="model_not_found")
+            limit = req.limit()
+            if limit is not None and limit > engine.context:
+                raise _BadRequest(f"max_tokens must be <= the model's context of {engine.context} "
+                                  f"(got {limit})", "max_tokens")
+            stops = req.stops()
+            ids = req.prompt_ids(engine)
+            engine.check_prompt(ids)
+            cfg = engine.config(limit, req.temperature, req.top_p, req.top_k, req.seed, stops)
+        except ValidationError as e:
+            msg, param = _describe(e)
+            return _error(400, msg, param=param)
+        except _BadRequest as e:
+            return _error(e.status, e.message, e.type, e.param, e.code)
+        except SpecdraftError as e:
+            return _error(400, str(e))
+        rid = f"{kind.prefix}-{uuid.uuid4().hex[:24]}"
+        head = {"id": rid, "created": int(time.time()), "model": engine.model_id, "system_fingerprint": fingerprint}
+        if req.stream:
+            return await stream(engine, ids, cfg, kind, head, bool(req.stream_options and req.stream_options.include_usage))
+        job = engine.submit(ids, cfg)
+        if job is None:
+            return busy()
+        return await wait(request, engine, job, kind, head)
+
+    def busy() -> JSONResponse:
+        return _error(429, f"the server is busy: {engine.capacity} requests are running or queued; retry later",
+                      "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+
+    async def wait(request: Request, engine: Engine, job: Job, kind: _Kind, head: dict):
+        fut = asyncio.wrap_future(job.future)
+        while True:
+            done, _ = await asyncio.wait({fut}, timeout=0.25)
+            if done:
+                break
+            if await request.is_disconnected():
+                job.cancel.set()
+                return _error(499, "client closed the request")
+        try:
+            r = fut.result()
+        except Cancelled:
+            return _error(503, "the generation was cancelled (server shutting down)", "server_error")
+        except SpecdraftError as e:
+            return _error(400, str(e))
+        return {**head, "object": kind.object, "choices": [kind.choice(r.text, r.finish_reason)],
+                "usage": _usage(engine, len(job.prompt_ids), r)}
+
+    async def stream(engine: Engine, ids: list[int], cfg, kind: _Kind, head: dict, include_usage: bool):
+        loop = asyncio.get_running_loop()
+        pieces: asyncio.Queue = asyncio.Queue()
+
+        def put(item) -> None:
+            try:
+                loop.call_soon_threadsafe(pieces.put_nowait, item)
+            except RuntimeError:  # the event loop is gone: stop generating
+                if job is not None:
+                    job.cancel.set()
+
+        job = None
+        job = engine.submit(ids, cfg, on_text=lambda s: put(s))
+        if job is None:
+            return busy()
+        job.future.add_done_callback(lambda f: put(None))
+
+        async def events():
+            try:
+                chunk = {**head, "object": kind.chunk_object}
+                if kind.chat:
+                    yield _sse({**chunk, "choices": [kind.delta(None, None, first=True)]})
+                while (s := await pieces.get()) is not None:
+                    yield _sse({**chunk, "choices": [kind.delta(s, None)]})
+                try:
+                    r = job.future.result()
+                except Exception as e:  # report it in the stream, do not crash the connection
+                    msg = str(e) if isinstance(e, SpecdraftError) else f"generation stopped: {type(e).__name__}"
+                    if not isinstance(e, (Cancelled, SpecdraftError)):
+                        log.error("generation failed", exc_info=e)
+                    yield _sse({"error": {"message": msg, "type": "server_error", "param": None, "code": None}})
+                    yield _sse("[DONE]")
+                    return
+                yield _sse({**chunk, "choices": [kind.delta(None, r.finish_reason)]})
+                if include_usage:
+                    yield _sse({**chunk, "choices": [], "usage": _usage(engine, len(ids), r)})
+                yield _sse("[DONE]")
+            finally:
+                job.cancel.set()  # a client that left stops its generation (no-op once finished)
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    chat_kind, text_kind = _Kind(chat=True), _Kind(chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handle(request, ChatRequest, chat_kind)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, CompletionRequest, text_kind)
+
+    return app
+
+
+class ServerThread:
+    """Runs ``app`` with uvicorn on a daemon thread (tests, load checks); port 0 = any free port.
+
+    with ServerThread(create_app(engine)) as srv:
+        OpenAI(base_url=srv.url + "/v1", api_key="none")
+    """
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, quiet: bool = True) -> None:
+        import uvicorn
+
+        self.host = host
+        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.port = self.sock.getsockname()[1]
+        config = uvicorn.Config(app, log_level="warning" if quiet else "info", access_log=not quiet)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
+                                       name="specdraft-server")
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def __enter__(self) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+        self.sock.close()
+
+
+def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, quiet: bool = False) -> None:
+    """Run the server until Ctrl-C."""
+    import uvicorn
+
+    uvicorn.run(create_app(engine), host=host, port=port, log_level="warning" if quiet else "info",
+                access_log=not quiet)

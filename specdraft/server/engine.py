@@ -1,0 +1,193 @@
+"""The serving engine: one target, one drafter, one generation at a time from a bounded queue.
+
+Nothing here imports the web framework, so ``specdraft chat`` uses the same pieces
+(``encode_messages``, ``HookedDrafter``) without it.
+
+* ``HookedDrafter`` wraps any drafter: before every target pass it checks a cancel flag (a
+  disconnected client stops its generation within one pass) and after every pass it reports
+  the tokens committed (live tokens per pass for the chat).
+* ``Engine`` admits at most ``1 + max_queue`` requests (running + waiting); a request beyond
+  that is refused at once (HTTP 429), so nothing waits without bound.  Generations run on a
+  single worker thread, so the target's KV cache is never shared.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+from specdraft.drafters.base import Drafter, NoDrafter
+from specdraft.errors import SpecdraftError
+from specdraft.generate import GenerateConfig, GenerationResult, generate
+from specdraft.target import Target
+from specdraft.verify import Sampling
+
+
+MIN_TEMPERATURE = 1e-4  # below this a request decodes greedily
+
+
+class Cancelled(Exception):
+    """The generation's cancel flag was set (client gone, server shutting down, Ctrl-C)."""
+
+
+class HookedDrafter:
+    """Delegates to ``inner``; raises ``Cancelled`` before a pass once ``cancel`` is set and
+    calls ``on_pass(tokens committed)`` after each pass that does not end the generation."""
+
+    def __init__(self, inner: Drafter, cancel: threading.Event | None = None,
+                 on_pass: Callable[[int], None] | None = None) -> None:
+        self.inner = inner
+        self.cancel = cancel
+        self.on_pass = on_pass
+
+    def __getattr__(self, name: str):  # name, hidden_layers, default_budget, anything else
+        return getattr(self.inner, name)
+
+    def _check(self) -> None:
+        if self.cancel is not None and self.cancel.is_set():
+            raise Cancelled()
+
+    def reset(self, prompt_ids, first_token, prefill) -> None:
+        self._check()
+        self.inner.reset(prompt_ids, first_token, prefill)
+
+    def propose(self, budget: int):
+        self._check()
+        return self.inner.propose(budget)
+
+    def commit(self, accepted, out) -> None:
+        self.inner.commit(accepted, out)
+        if self.on_pass is not None:
+            self.on_pass(len(accepted.new_tokens))
+
+
+def encode_messages(target: Target, messages: list[dict]) -> list[int]:
+    """Token ids of a whole conversation (system / user / assistant turns) in the target's chat
+    template, ending with the assistant prefix; equal to ``target.encode_prompt(text)`` for a
+    single user message."""
+    tok = target.tokenizer
+    if tok is None:
+        raise SpecdraftError("the target has no tokenizer, so it cannot take text")
+    if not messages:
+        raise SpecdraftError("the conversation is empty")
+    if getattr(tok, "chat_template", None):
+        try:
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # jinja2 errors, raise_exception() in the template
+            raise SpecdraftError(f"the chat template rejected the messages: {e}") from None
+        return tok(text, add_special_tokens=False).input_ids
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+    return tok(text).input_ids
+
+
+@dataclass
+class Job:
+    prompt_ids: list[int]
+    config: GenerateConfig
+    on_text: Callable[[str], None] | None = None
+    cancel: threading.Event = field(default_factory=threading.Event)
+    future: Future | None = None
+
+
+class Engine:
+    def __init__(self, target: Target, drafter: Drafter | None = None, model_id: str | None = None,
+                 max_queue: int = 8, default_max_tokens: int = 512, default_temperature: float = 0.0,
+                 budget: int | None = None) -> None:
+        if target.tokenizer is None:
+            raise SpecdraftError("the target has no tokenizer; the server needs one")
+        if max_queue < 0:
+            raise SpecdraftError(f"--max-queue must be >= 0 (got {max_queue})")
+        if default_max_tokens < 1:
+            raise SpecdraftError(f"--max-tokens must be >= 1 (got {default_max_tokens})")
+        self.target = target
+        self.drafter = drafter or NoDrafter()
+        self.model_id = model_id or target.name
+        self.capacity = 1 + max_queue
+        self.default_max_tokens = default_max_tokens
+        self.default_temperature = default_temperature
+        self.budget = budget
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdraft-generate")
+        self._lock = threading.Lock()
+        self._jobs: set[int] = set()  # ids of admitted jobs (running or waiting)
+        self._cancels: dict[int, threading.Event] = {}
+        self.running = False
+        self.completed = 0  # generations that finished
+        self.cancelled = 0  # generations stopped by their cancel flag
+        self.failed = 0
+
+    @property
+    def context(self) -> int:
+        return self.target.config.max_position
+
+    # ------------------------------------------------------------------ requests
+    def config(self, max_tokens: int | None, temperature: float | None, top_p: float | None,
+               top_k: int | None, seed: int | None, stop: list[str]) -> GenerateConfig:
+        temp = self.default_temperature if temperature is None else temperature
+        if temp < MIN_TEMPERATURE:  # logits / a subnormal temperature overflow to inf; it is greedy anyway
+            temp = 0.0
+        sampling = Sampling(temperature=temp, top_p=1.0 if top_p is None else top_p, top_k=top_k or 0)
+        if seed is None and not sampling.greedy:
+            seed = secrets.randbits(63)  # OpenAI semantics: no seed, a fresh sample each time
+        return GenerateConfig(max_new_tokens=max_tokens or self.default_max_tokens, sampling=sampling,
+                              seed=seed, stop=stop, budget=self.budget)
+
+    def check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise SpecdraftError("the prompt is empty")
+        if len(ids) >= self.context:
+            raise SpecdraftError(f"the prompt is {len(ids)} tokens; the model's context is {self.context} tokens")
+
+    def load(self) -> dict:
+        with self._lock:
+            admitted = len(self._jobs)
+        running = 1 if self.running else 0
+        return {"running": running, "waiting": max(0, admitted - running), "capacity": self.capacity,
+                "completed": self.completed, "cancelled": self.cancelled, "failed": self.failed}
+
+    def submit(self, ids: list[int], config: GenerateConfig, on_text: Callable[[str], None] | None = None) -> Job | None:
+        """Queue a generation; None when the queue is full (refuse the request)."""
+        job = Job(ids, config, on_text)
+        with self._lock:
+            if len(self._jobs) >= self.capacity:
+                return None
+            self._jobs.add(id(job))
+            self._cancels[id(job)] = job.cancel
+        try:
+            job.future = self._pool.submit(self._run, job)
+        except RuntimeError:  # the pool is shut down
+            self._release(job)
+            return None
+        return job
+
+    def _release(self, job: Job) -> None:
+        with self._lock:
+            self._jobs.discard(id(job))
+            self._cancels.pop(id(job), None)
+
+    def _run(self, job: Job) -> GenerationResult:
+        try:
+            if job.cancel.is_set():
+                raise Cancelled()
+            self.running = True
+            drafter = HookedDrafter(self.drafter, cancel=job.cancel)
+            r = generate(self.target, job.prompt_ids, drafter, job.config, on_text=job.on_text)
+            self.completed += 1
+            return r
+        except Cancelled:
+            self.cancelled += 1
+            raise
+        except BaseException:
+            self.failed += 1
+            raise
+        finally:
+            self.running = False
+            self._release(job)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            for ev in self._cancels.values():
+                ev.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,117 @@
+"""``specdraft bench --report``: Markdown + PNGs from the JSON files of a bench folder, nothing re-run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specdraft import cli
+from specdraft.bench.report import acceptance_series, committed_hist, sweep_series, write_report
+
+PNG = b"\x89PNG\r\n\x1a\n"
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "bench"
+
+
+def fake_results(with_hist: bool) -> dict:
+    methods = ["hf_generate", "hf_prompt_lookup", "greedy", "ngram"]
+    datasets = {}
+    for ds, base in (("gsm", 20.0), ("mtbench", 22.0)):
+        rows = []
+        for i in range(3):
+            for m in methods:
+                tpp = None if m.startswith("hf") else (1.0 if m == "greedy" else 1.4 + 0.2 * i)
+                row = {"prompt": i, "method": m, "new_tokens": 50, "wall_s": 2.0, "tok_s": 25.0,
+                       "tokens_per_pass": tpp, "exact_match": True, "divergence": None}
+                if with_hist and tpp is not None:
+                    row["passes"] = 30
+                    row["accept_hist"] = {"0": 30} if m == "greedy" else {"0": 15, "1": 10, "2": 5}
+                rows.append(row)
+        agg = {m: {"tok_s": base * (1.6 if m == "ngram" else 1.0), "new_tokens": 150, "wall_s": 6.0,
+                   "tokens_per_pass": None if m.startswith("hf") else (1.0 if m == "greedy" else 1.6),
+                   "exact_match": 1.0, "divergences": 0, "divergences_all_ties": True,
+                   "speedup_vs_hf": 1.6 if m == "ngram" else 1.0, "speedup_vs_greedy": 1.6 if m == "ngram" else 1.0}
+               for m in methods}
+        datasets[ds] = {"methods": agg, "rows": rows}
+    return {"config": {"drafters": ["ngram"], "n": 3, "max_new_tokens": 64, "target": "tiny", "device": "cpu",
+                       "threads": 2, "budget": None, "date": "2026-12-01"}, "datasets": datasets}
+
+
+def curve() -> dict:
+    n = list(range(1, 17))
+    return {"target": "tiny", "device": "cpu", "threads": 2, "context": 256, "n": n,
+            "ms": [10 + 0.8 * (k - 1) for k in n], "ratio": [1 + 0.08 * (k - 1) for k in n]}
+
+
+def pngs_ok(folder: Path, names: list[str]) -> None:
+    for name in names:
+        data = (folder / name).read_bytes()
+        assert data.startswith(PNG) and len(data) > 5000, name
+
+
+def test_full_report_with_every_input(tmp_path):
+    (tmp_path / "results.json").write_text(json.dumps(fake_results(with_hist=True)))
+    (tmp_path / "cost_curve.json").write_text(json.dumps(curve()))
+    (tmp_path / "budget_sweep.json").write_text(json.dumps({
+        "ngram": {"budget": [1, 2, 4, 8], "tokens_per_pass": {"gsm": [1.3, 1.5, 1.6, 1.65]},
+                  "speedup": {"gsm": [1.2, 1.4, 1.3, 1.1]}}}))
+    (tmp_path / "budget_sweep_phrase.json").write_text(json.dumps({"phrase": {"1": 1.5, "4": 2.1, "16": 2.4}}))
+    (tmp_path / "acceptance.json").write_text(json.dumps({"config": {}, "datasets": {
+        "gsm": {"ngram": {"1": 1.3, "3": 1.5}}, "mtbench": {"ngram": {"1": 1.2, "3": 1.4}}}}))
+    (tmp_path / "notes.json").write_text("{}")
+    assert cli.main(["bench", "--report", "--out", str(tmp_path)]) == 0
+    md = (tmp_path / "report.md").read_text()
+    for img in ("speedup.png", "tokens_per_pass.png", "budget_curve.png", "budget_sweep.png"):
+        assert f"]({img})" in md
+    pngs_ok(tmp_path, ["speedup.png", "tokens_per_pass.png", "budget_curve.png", "budget_sweep.png"])
+    assert "| gsm | ngram | 32.0 | 1.60x |" in md
+    assert "share of target passes that committed k tokens" in md
+    assert "`acceptance.json`" in md and "Not rendered: `notes.json`" in md and "## Problems" not in md
+
+
+def test_report_from_old_results_and_broken_files(tmp_path):
+    (tmp_path / "results.json").write_text(json.dumps(fake_results(with_hist=False)))
+    (tmp_path / "cost_curve.json").write_text("{ torn")
+    (tmp_path / "budget_sweep.json").write_text(json.dumps({"ngram": "nonsense"}))
+    path = write_report(tmp_path)
+    md = path.read_text()
+    assert "distribution over prompts" in md
+    assert "`cost_curve.json` could not be read" in md and "`budget_sweep.json` has no series" in md
+    pngs_ok(tmp_path, ["speedup.png", "tokens_per_pass.png"])
+    assert not (tmp_path / "budget_curve.png").exists()
+
+
+def test_report_without_results(tmp_path, capsys):
+    assert cli.main(["bench", "--report", "--out", str(tmp_path / "missing")]) == 2
+    assert "no folder" in capsys.readouterr().err
+    assert cli.main(["bench", "--report", "--out", str(tmp_path)]) == 2
+    (tmp_path / "cost_curve.json").write_text(json.dumps(curve()))
+    md = write_report(tmp_path).read_text()
+    assert "budget_curve.png" in md and "results.json" not in md
+    (tmp_path / "cost_curve.json").write_text("[]")
+    assert "Nothing to report" in write_report(tmp_path).read_text()
+
+
+def test_helpers():
+    rows = [{"method": "ngram", "accept_hist": {"0": 3, "2": 1}}, {"method": "ngram", "accept_hist": {"0": 1}},
+            {"method": "greedy", "accept_hist": {"0": 9}}]
+    assert committed_hist(rows, "ngram") == {1: 4, 3: 1}
+    assert committed_hist([{"method": "ngram", "tokens_per_pass": 1.5}], "ngram") is None
+    s = sweep_series({"a": {"budget": [1, 2], "tokens_per_pass": [1.1, 1.2]}, "b": {"2": 1.5, "1": 1.2}, "c": 3})
+    assert s["a"]["tokens_per_pass"] == {"all": [1.1, 1.2]}
+    assert s["b"] == {"budget": [1.0, 2.0], "tokens_per_pass": {"all": [1.2, 1.5]}}
+    assert "c" not in s
+    acc = acceptance_series({"datasets": {"gsm": {"ngram": {"3": 1.5, "1": 1.3}}, "bad": 4}})
+    assert acc == {"ngram": {"budget": [1.0, 3.0], "tokens_per_pass": {"gsm": [1.3, 1.5]}}}
+    assert acceptance_series({"datasets": []}) == {}
+
+
+@pytest.mark.skipif(not (DOCS / "results.json").is_file(), reason="no committed bench run")
+def test_report_of_the_committed_bench_run(tmp_path):
+    for name in ("results.json", "cost_curve.json", "batch_curve.json"):
+        if (DOCS / name).is_file():
+            (tmp_path / name).write_bytes((DOCS / name).read_bytes())
+    md = write_report(tmp_path).read_text()
+    assert "| gsm | ngram |" in md and "## Problems" not in md
+    pngs_ok(tmp_path, ["speedup.png", "tokens_per_pass.png"])

@@ -96,9 +96,15 @@ def test_live_status_is_written_then_erased():
 
 
 def test_cli_chat_piped_on_default_target(monkeypatch, capsys, default_target):
+    from specdraft.target import Target
+
+    loaded = []  # the session's weights instead of loading the GGUF again
+    monkeypatch.setattr(Target, "load", classmethod(lambda cls, spec, **kw: loaded.append((spec, kw)) or Target(
+        default_target.model, default_target.tokenizer, default_target.name, default_target.weight_hash)))
     monkeypatch.setattr(sys, "stdin", io.StringIO("What is 2+2?\n"))
     rc = cli.main(["chat", "--max-new-tokens", "12"])
     cap = capsys.readouterr()
     assert rc == 0
     assert cap.out == greedy(default_target, [{"role": "user", "content": "What is 2+2?"}], 12) + "\n"
     assert re.search(r"\[ngram\] \d+ tokens, [\d.]+ tok/s, [\d.]+ tokens/pass", cap.err)
+    assert loaded == [("default", {"device": "cpu", "dtype": "float32"})]

@@ -346,6 +346,21 @@ def test_disconnecting_stream_frees_the_server(slow_server):
     assert engine.cancelled == cancelled + 1
 
 
+def test_disconnecting_non_streaming_client_stops_its_generation(slow_server):
+    engine = slow_server.engine
+    wait_idle(engine)
+    cancelled = engine.cancelled
+    body = json.dumps({"model": "slow", "prompt": "Once upon a time", "max_tokens": 200}).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", slow_server.port, timeout=30)
+    conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+    deadline = time.monotonic() + 5
+    while engine.load()["running"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    conn.close()  # ~10 s of generation left, nobody to send it to
+    wait_idle(engine, timeout=5)
+    assert engine.cancelled == cancelled + 1
+
+
 def test_full_queue_is_refused_at_once(slow_server):
     engine = slow_server.engine
     wait_idle(engine)

@@ -149,11 +149,13 @@ def plot_budget_curve(curve: dict, results: dict | None, path: Path) -> int:
     ax.axhline(1.5, color="gray", ls="--", lw=0.8, label="1.5x: largest tree the default budget allows")
     ax.axvline(budget + 1, color="tab:red", ls=":", lw=1, label=f"picked: {budget} drafted nodes (+ root)")
     if results is not None:
+        ran = results.get("config", {}).get("budget")  # the run's --budget, else the one picked here
+        at = (budget if ran is None else ran) + 1
         for m in drafter_methods(results):
             for ds, d in results["datasets"].items():
                 tpp = d["methods"].get(m, {}).get("tokens_per_pass")
                 if tpp:
-                    ax.scatter([budget + 1], [tpp], marker="x", zorder=3, label=f"{m} {ds}: {tpp:.2f} tokens/pass")
+                    ax.scatter([at], [tpp], marker="x", zorder=3, label=f"{m} {ds}: {tpp:.2f} tokens/pass")
     _log2_axis(ax, curve["n"])
     ax.set_xlabel("tokens in one target pass (tree size N)")
     ax.set_ylabel("relative cost = tokens/pass to break even")

@@ -47,6 +47,7 @@ def _version() -> str:
 __version__ = _version()
 MAX_BODY_BYTES = 4 << 20
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+GRACE_S = 5  # on shutdown, open streams get this long before they are cancelled (which stops their generation)
 
 
 # ---------------------------------------------------------------------- request schemas
@@ -371,7 +372,8 @@ class ServerThread:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.port = self.sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning" if quiet else "info", access_log=not quiet)
+        config = uvicorn.Config(app, log_level="warning" if quiet else "info", access_log=not quiet,
+                                timeout_graceful_shutdown=GRACE_S)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
                                        name="specdraft-server")
@@ -401,4 +403,4 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, quiet: bool
     import uvicorn
 
     uvicorn.run(create_app(engine), host=host, port=port, log_level="warning" if quiet else "info",
-                access_log=not quiet)
+                access_log=not quiet, timeout_graceful_shutdown=GRACE_S)

@@ -1,0 +1,165 @@
+"""Bounded load check of ``specdraft serve`` on loopback: C concurrent clients x R requests each.
+
+Every answer is compared with offline greedy decoding (``specdraft.generate.generate``, no
+drafter) of the same prompt ids; the script reports p50/p95 latency, time to first token of the
+streamed requests and total throughput, and exits non-zero on any error or mismatch.
+
+    .venv/bin/python scripts/load_check.py                        # in-process server, default target, ngram
+    .venv/bin/python scripts/load_check.py --clients 8 --requests 5 --max-tokens 32 --json-out load.json
+    .venv/bin/python scripts/load_check.py --url http://127.0.0.1:8000   # a running `specdraft serve`
+
+Half of the clients stream (``stream: true``), the others do not.  Only loopback addresses are
+accepted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import statistics
+import sys
+import threading
+import time
+from urllib.parse import urlparse
+
+TOPICS = ["the moon", "rivers", "prime numbers", "bread", "volcanoes", "chess", "the piano", "bees", "glaciers",
+          "the alphabet", "bicycles", "tea", "lighthouses", "owls", "fractions", "deserts", "maps", "clocks",
+          "rainbows", "sailing", "gardens", "batteries", "comets", "bridges", "whales", "paper", "salt", "wind",
+          "libraries", "coffee", "snow", "trains", "mushrooms", "magnets", "kites", "coral reefs", "honey",
+          "thunder", "castles", "penguins"]
+ASKS = ["Explain {} to a child in two sentences.", "Give three facts about {}.", "Write a haiku about {}.",
+        "Why do people like {}?", "Describe {} in one short paragraph."]
+
+
+def prompts(n: int) -> list[str]:
+    return [ASKS[i % len(ASKS)].format(TOPICS[i % len(TOPICS)]) for i in range(n)]
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))] if xs else float("nan")
+
+
+def check_loopback(url: str) -> None:
+    host = urlparse(url).hostname or ""
+    try:
+        ok = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        ok = False
+    if not ok:
+        sys.exit(f"error: {url} is not a loopback address; this check only sends traffic to this machine")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default="default")
+    ap.add_argument("--drafter", default="ngram")
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=5, help="requests per client")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--url", default=None, help="a running server on loopback (default: start one in-process)")
+    ap.add_argument("--timeout", type=float, default=300, help="seconds one request may take")
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args(argv)
+    if args.clients < 1 or args.requests < 1 or args.max_tokens < 1:
+        sys.exit("error: --clients, --requests and --max-tokens must be >= 1")
+
+    import openai
+
+    from specdraft.drafters import make_drafter
+    from specdraft.drafters.base import NoDrafter
+    from specdraft.generate import GenerateConfig, generate
+    from specdraft.server.engine import Engine, encode_messages
+    from specdraft.target import Target
+
+    target = Target.load(args.target)
+    work = prompts(args.clients * args.requests)
+    t0 = time.perf_counter()
+    refs = {}
+    for p in work:
+        ids = encode_messages(target, [{"role": "user", "content": p}])
+        refs[p] = generate(target, ids, NoDrafter(), GenerateConfig(max_new_tokens=args.max_tokens)).text
+    print(f"offline greedy references: {len(refs)} prompts in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+
+    server = None
+    if args.url:
+        check_loopback(args.url)
+        base = args.url.rstrip("/")
+        model = openai.OpenAI(base_url=base + "/v1", api_key="none").models.list().data[0].id
+    else:
+        from specdraft.server.app import ServerThread, create_app
+
+        served = Target(target.model, target.tokenizer, target.name, target.weight_hash)  # its own KV cache
+        engine = Engine(served, make_drafter(args.drafter, served), max_queue=args.clients)
+        server = ServerThread(create_app(engine)).__enter__()
+        base, model = server.url, engine.model_id
+
+    results: list[dict] = []
+    lock = threading.Lock()
+
+    def client(c: int) -> None:
+        api = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=args.timeout)
+        stream = c % 2 == 1
+        for r in range(args.requests):
+            p = work[c * args.requests + r]
+            msgs = [{"role": "user", "content": p}]
+            rec = {"client": c, "prompt": p, "stream": stream}
+            t = time.perf_counter()
+            try:
+                if stream:
+                    parts, first, usage = [], None, None
+                    for ch in api.chat.completions.create(model=model, messages=msgs, max_tokens=args.max_tokens,
+                                                          temperature=0, stream=True,
+                                                          stream_options={"include_usage": True}):
+                        if ch.choices and ch.choices[0].delta.content:
+                            first = first or time.perf_counter() - t
+                            parts.append(ch.choices[0].delta.content)
+                        usage = ch.usage or usage
+                    text, rec["ttft_s"] = "".join(parts), first
+                else:
+                    resp = api.chat.completions.create(model=model, messages=msgs, max_tokens=args.max_tokens, temperature=0)
+                    text, usage = resp.choices[0].message.content, resp.usage
+                rec.update(latency_s=time.perf_counter() - t, ok=text == refs[p],
+                           tokens=usage.completion_tokens if usage else 0,
+                           tokens_per_pass=getattr(usage, "tokens_per_pass", None))
+                if text != refs[p]:
+                    rec["got"], rec["want"] = text, refs[p]
+            except Exception as e:  # recorded, reported, and the exit code says so
+                rec.update(latency_s=time.perf_counter() - t, ok=False, error=f"{type(e).__name__}: {e}")
+            with lock:
+                results.append(rec)
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(args.clients)]
+    t0 = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - t0
+    if server is not None:
+        server.__exit__(None, None, None)
+
+    lat = [r["latency_s"] for r in results]
+    ttft = [r["ttft_s"] for r in results if r.get("ttft_s") is not None]
+    tokens = sum(r.get("tokens", 0) for r in results)
+    tpp = [r["tokens_per_pass"] for r in results if r.get("tokens_per_pass")]
+    summary = {"target": target.name, "drafter": args.drafter, "clients": args.clients, "requests_per_client": args.requests,
+               "max_tokens": args.max_tokens, "requests": len(results), "correct": sum(r["ok"] for r in results),
+               "errors": sum("error" in r for r in results), "wall_s": wall, "latency_p50_s": pct(lat, 0.5),
+               "latency_p95_s": pct(lat, 0.95), "latency_max_s": max(lat), "ttft_p50_s": pct(ttft, 0.5),
+               "ttft_p95_s": pct(ttft, 0.95), "completion_tokens": tokens, "throughput_tok_s": tokens / wall,
+               "requests_per_s": len(results) / wall, "mean_tokens_per_pass": statistics.fmean(tpp) if tpp else None}
+    print(json.dumps(summary, indent=1))
+    bad = [r for r in results if not r["ok"]]
+    for r in bad[:5]:
+        print(f"FAILED client {r['client']} {r['prompt']!r}: {r.get('error') or 'output differs from offline greedy'}",
+              file=sys.stderr)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"summary": summary, "requests": results}, f, indent=1)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -53,7 +53,12 @@ class Accepted:
 
 def target_probs(logits: Tensor, s: Sampling) -> Tensor:
     """Probabilities after temperature, top-k and top-p; logits [..., V]."""
-    logits = logits.float() / s.temperature
+    logits = logits.float()
+    if s.temperature < torch.finfo(torch.float32).tiny:  # not representable: the T -> 0 limit, one-hot
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    # subtract the max first: with a tiny temperature the top logit stays 0 and the rest go to
+    # -inf (a one-hot distribution) instead of inf - inf = NaN
+    logits = (logits - logits.amax(-1, keepdim=True)) / s.temperature
     if s.top_k > 0 and s.top_k < logits.shape[-1]:
         kth = torch.topk(logits, s.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

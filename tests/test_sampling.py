@@ -98,3 +98,11 @@ def test_target_probs_top_k_top_p():
     assert p[2] == 0 and p[3] == 0 and abs(float(p.sum()) - 1) < 1e-6
     p = target_probs(logits, Sampling(temperature=1.0, top_p=0.5))
     assert p[0] == 1.0  # the first token alone already holds >= 0.5 of the mass
+
+
+def test_tiny_temperatures_give_a_distribution_not_nan():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)) * 10
+    for t in (5e-324, 1e-40, 1e-30, 1e-6):
+        p = target_probs(logits, Sampling(temperature=t, top_p=0.9, top_k=5))
+        assert not torch.isnan(p).any() and torch.allclose(p.sum(-1), torch.ones(4))
+        assert torch.equal(p.argmax(-1), logits.argmax(-1))

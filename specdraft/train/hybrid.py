@@ -1,0 +1,509 @@
+"""Training the hybrid drafter (Gumiho; Medusa with S = 0, EAGLE-style with M = 0).
+
+Data: the target's own greedy responses (``specdraft data build``) and its cached features
+(``specdraft data features``).  The response tokens are the labels: the target's feature at
+position i predicted x_{i+1}, so for an *anchor* i the draft of depth d is labelled x_{i+1+d}.
+
+Per batch of whole sequences (teacher forcing, EAGLE-3's training-time test for the serial part):
+- serial step 1 runs over every position i with input (f_i, x_{i+1}) under a causal mask: its K/V
+  are the context every later step attends to, exactly as the drafter's cache at inference;
+- serial step s >= 2 runs only at the sampled anchors (position i+s-1, input: the anchor's step
+  s-1 output and x_{i+s}), attending to step 1's K/V at positions <= i plus the anchor's own
+  earlier steps (a diagonal mask per step block);
+- parallel head j reads [h^1 .. h^S ; e(x_{i+S+1})] (S = 0: [g(f_i) ; e(x_{i+1})]) and predicts
+  x_{i+S+2+j}.
+Loss: cross-entropy over the draft vocabulary at every depth d, weighted ``decay^(d-1)``, plus
+optionally SmoothL1 of serial state h^s onto the target's final feature f_{i+s}.  Labels outside
+the draft vocabulary or outside the response are masked.  Every epoch samples ``anchors``
+positions per sequence (fixed by seed and epoch), so its cost is set, and the per-epoch state
+(weights, optimizer, history) makes training resumable to the same weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from specdraft.drafters.hybrid import HybridConfig, HybridModel
+from specdraft.errors import SpecdraftError
+from specdraft.model.llama import FINAL
+
+
+@dataclass
+class TrainConfig:
+    serial: int = 2  # S: serial draft positions
+    parallel: int = 5  # M: parallel MLP heads
+    serial_layers: int = 1  # decoder layers of the serial part
+    head_blocks: int = 1  # residual blocks per MLP head
+    feature_layers: tuple[int, ...] = (-1,)  # target features read by the drafter
+    draft_vocab: int = 8192  # LM-head rows drafted from (0 = the full vocabulary)
+    epochs: int = 4
+    anchors: int = 64  # anchors sampled per sequence and epoch (0 = every response position)
+    batch_tokens: int = 4096  # padded tokens per batch (whole sequences)
+    lr: float = 6e-4
+    weight_decay: float = 0.01
+    warmup_steps: int = 50
+    decay: float = 0.8  # loss weight of draft depth d: decay^(d-1)
+    feature_loss: float = 0.0  # weight of SmoothL1(h^s, f_{i+s}) for the serial states (0 = CE only)
+    holdout: float = 0.05  # share of sequences held out for validation
+    shards: int = 0  # use the first N data shards only (0 = all)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.feature_layers = tuple(int(x) for x in self.feature_layers)
+
+    def model_config(self, tcfg) -> HybridConfig:
+        return HybridConfig.for_target(tcfg, serial=self.serial, parallel=self.parallel,
+                                       serial_layers=self.serial_layers, head_blocks=self.head_blocks,
+                                       feature_layers=self.feature_layers, draft_vocab=self.draft_vocab)
+
+
+# ---------------------------------------------------------------------------- data
+
+
+@dataclass
+class Corpus:
+    tokens: list[list[int]]  # per sequence: prompt + response
+    prompt_len: list[int]
+    offsets: list[int]  # first row of each sequence in the flat feature tensors
+    feats: Tensor  # [rows, n_layers * H] fp16, the drafter's input features
+    final: Tensor | None  # [rows, H] fp16 final features (regression targets) or None
+
+
+def read_features(feat_dir: str | Path, shard_files: list[str], layers: tuple[int, ...]) -> Tensor:
+    """The cached fp16 features [rows, len(layers) * H] of the given data shards: per shard file
+    ``features_XXXXX.safetensors`` with one key ``layer_L`` per layer, rows = every token of every
+    sequence in shard order; the layers side by side."""
+    from safetensors import safe_open
+
+    parts = []
+    for name in shard_files:
+        path = Path(feat_dir) / name.replace("shard_", "features_")
+        if not path.is_file():
+            raise SpecdraftError(f"feature shard {path} is missing: run `specdraft data features --data DATA "
+                                 f"--layers {','.join(map(str, layers))} --out {feat_dir}` first")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                keys = set(f.keys())
+                miss = [x for x in layers if f"layer_{x}" not in keys]
+                if miss:
+                    raise SpecdraftError(f"{path} has no features of layer {miss[0]} (has {', '.join(sorted(keys))})")
+                cols = [f.get_tensor(f"layer_{x}") for x in layers]
+        except SpecdraftError:
+            raise
+        except Exception as e:  # safetensors raises its own error types for a damaged file
+            raise SpecdraftError(f"corrupt feature shard {path}: {e}") from None
+        parts.append(torch.cat(cols, 1) if len(cols) > 1 else cols[0])
+    return torch.cat(parts)
+
+
+def manifest_sha256(manifest: dict) -> str:
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+
+
+def load_corpus(data_dir: str | Path, feat_dir: str | Path, layers: tuple[int, ...], need_final: bool,
+                shards: int = 0) -> tuple[Corpus, dict]:
+    """Sequences and cached features of the first ``shards`` data shards (0 = all)."""
+    from specdraft.train.data import load_shard, read_manifest
+
+    manifest = read_manifest(Path(data_dir))
+    use = manifest["shards"][: shards or None]
+    if not use:
+        raise SpecdraftError(f"{data_dir} has no data shards yet")
+    seqs = []
+    for s in use:
+        path = Path(data_dir) / s["file"]
+        if not path.is_file():
+            raise SpecdraftError(f"data shard {path} listed in the manifest is missing")
+        seqs += load_shard(path)
+    files = [s["file"] for s in use]
+    read = layers if not need_final or FINAL in layers else layers + (FINAL,)
+    feats = read_features(feat_dir, files, read)
+    final = None
+    if need_final:  # a view of the final layer's columns
+        h = feats.shape[1] // len(read)
+        k = read.index(FINAL)
+        final = feats[:, k * h : (k + 1) * h]
+    if len(read) > len(layers):
+        feats = feats[:, : len(layers) * feats.shape[1] // len(read)]
+    lengths = [len(s.tokens) for s in seqs]
+    if feats.shape[0] != sum(lengths):
+        raise SpecdraftError(f"features in {feat_dir} do not match the data in {data_dir}: recompute them")
+    offsets = [0]
+    for n in lengths[:-1]:
+        offsets.append(offsets[-1] + n)
+    return Corpus([s.tokens for s in seqs], [s.prompt_len for s in seqs], offsets, feats, final), \
+        {**manifest, "shards_used": len(use)}
+
+
+def draft_vocabulary(corpus: Corpus, seq_ids: list[int], size: int, vocab_size: int, always: set[int]) -> Tensor:
+    """The ``size`` token ids most frequent in the responses of ``seq_ids`` (then in prompts, then by
+    id), ``always`` included; all ids when ``size`` is 0 or covers the vocabulary."""
+    if size <= 0 or size >= vocab_size:
+        return torch.arange(vocab_size)
+    resp, prompt = Counter(), Counter()
+    for k in seq_ids:
+        toks, p = corpus.tokens[k], corpus.prompt_len[k]
+        resp.update(toks[p:])
+        prompt.update(toks[:p])
+    forced = sorted(t for t in always if 0 <= t < vocab_size)
+    rank = sorted((t for t in set(resp) | set(prompt) if t not in always), key=lambda t: (-resp[t], -prompt[t], t))
+    ids = forced + rank[: max(0, size - len(forced))]
+    if len(ids) < size:  # fewer distinct tokens than asked: pad with the lowest unused ids
+        used = set(ids)
+        ids += [t for t in range(vocab_size) if t not in used][: size - len(ids)]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+@dataclass
+class Batch:
+    tokens: Tensor  # [B, T] ids, right-padded with 0
+    lengths: Tensor  # [B]
+    prompt_len: Tensor  # [B]
+    feats: Tensor  # [B, T, n_layers * H]
+    final: Tensor | None  # [B, T, H]
+    anchors: Tensor  # [B, A] anchor positions i (padded with 0)
+    anchor_ok: Tensor  # [B, A] real anchors
+
+
+def valid_anchors(length: int, prompt_len: int) -> range:
+    """Anchors whose depth-1 label x_{i+2} is a response token."""
+    return range(max(0, prompt_len - 2), max(0, length - 2))
+
+
+def plan_epoch(corpus: Corpus, seq_ids: list[int], batch_tokens: int, gen: torch.Generator) -> list[list[int]]:
+    """Shuffled batches of whole sequences, similar lengths together, <= batch_tokens padded tokens."""
+    order = [seq_ids[i] for i in torch.randperm(len(seq_ids), generator=gen).tolist()]
+    batches: list[list[int]] = []
+    for c in range(0, len(order), 64):
+        chunk = sorted(order[c : c + 64], key=lambda k: len(corpus.tokens[k]))
+        cur: list[int] = []
+        for k in chunk:
+            width = max([len(corpus.tokens[j]) for j in cur + [k]])
+            if cur and width * (len(cur) + 1) > batch_tokens:
+                batches.append(cur)
+                cur = []
+            cur.append(k)
+        if cur:
+            batches.append(cur)
+    perm = torch.randperm(len(batches), generator=gen).tolist()
+    return [batches[i] for i in perm]
+
+
+def make_batch(corpus: Corpus, seq_ids: list[int], anchors: int, gen: torch.Generator, device) -> Batch:
+    lens = [len(corpus.tokens[k]) for k in seq_ids]
+    b, t = len(seq_ids), max(lens)
+    tokens = torch.zeros(b, t, dtype=torch.long)
+    rows = torch.zeros(b, t, dtype=torch.long)
+    picks = []
+    for r, k in enumerate(seq_ids):
+        n = lens[r]
+        tokens[r, :n] = torch.tensor(corpus.tokens[k])
+        rows[r, :n] = torch.arange(corpus.offsets[k], corpus.offsets[k] + n)
+        cand = torch.tensor(list(valid_anchors(n, corpus.prompt_len[k])), dtype=torch.long)
+        if anchors and len(cand) > anchors:
+            cand = cand[torch.randperm(len(cand), generator=gen)[:anchors]].sort().values
+        picks.append(cand)
+    a = max(1, max(len(p) for p in picks))
+    anc = torch.zeros(b, a, dtype=torch.long)
+    ok = torch.zeros(b, a, dtype=torch.bool)
+    for r, p in enumerate(picks):
+        anc[r, : len(p)] = p
+        ok[r, : len(p)] = True
+    feats = corpus.feats[rows].float()
+    final = corpus.final[rows].float() if corpus.final is not None else None
+    return Batch(tokens.to(device), torch.tensor(lens, device=device),
+                 torch.tensor([corpus.prompt_len[k] for k in seq_ids], device=device), feats.to(device),
+                 None if final is None else final.to(device), anc.to(device), ok.to(device))
+
+
+# ---------------------------------------------------------------------------- loss
+
+
+@dataclass
+class DepthStats:
+    n: list[int]  # labelled anchors per depth
+    correct: list[int]  # top-1 hits per depth
+    ce: list[float]  # summed cross-entropy per depth
+
+    @classmethod
+    def empty(cls, depth: int) -> "DepthStats":
+        return cls([0] * depth, [0] * depth, [0.0] * depth)
+
+    def add(self, other: "DepthStats") -> None:
+        for i in range(len(self.n)):
+            self.n[i] += other.n[i]
+            self.correct[i] += other.correct[i]
+            self.ce[i] += other.ce[i]
+
+    def summary(self) -> dict:
+        return {"top1": [c / n if n else 0.0 for c, n in zip(self.correct, self.n)],
+                "ce": [c / n if n else 0.0 for c, n in zip(self.ce, self.n)], "labels": list(self.n)}
+
+
+def _take(x: Tensor, idx: Tensor) -> Tensor:
+    """x [B, T, ...] at positions idx [B, A] -> [B, A, ...]."""
+    return x[torch.arange(x.shape[0], device=x.device)[:, None], idx]
+
+
+def token_at(batch: Batch, offset: int) -> tuple[Tensor, Tensor]:
+    """Token x_{i+offset} of every anchor i [B, A] and whether it is a response token."""
+    j = batch.anchors + offset
+    ok = batch.anchor_ok & (j < batch.lengths[:, None]) & (j >= batch.prompt_len[:, None])
+    return batch.tokens.gather(1, j.clamp(max=batch.tokens.shape[1] - 1)), ok
+
+
+def draft_states(model: HybridModel, batch: Batch) -> list[Tensor]:
+    """Teacher-forced drafter states at every anchor: per depth d = 1 .. S+M, [B, A, H], the state
+    whose LM-head scores draft depth d (label x_{i+1+d}); the same maths as the drafter's steps."""
+    mc = model.cfg
+    tok, anc = batch.tokens, batch.anchors
+    b, t = tok.shape
+    a = anc.shape[1]
+    dev = tok.device
+    if mc.serial > 0:
+        # step 1 over every position i (input f_i, x_{i+1}), causal
+        g = model.feature(batch.feats)  # [B, T, H]
+        causal = torch.tril(torch.ones(t - 1, t - 1, dtype=torch.bool, device=dev))[None, None]
+        pos = torch.arange(t - 1, device=dev)[None].expand(b, -1)
+        h1, ctx = model.serial(g[:, : t - 1], tok[:, 1:], pos, causal)
+        hs = [_take(h1, anc)]  # [B, A, H]
+        sees_ctx = torch.arange(t - 1, device=dev)[None, None] <= anc[:, :, None]  # [B, A, T-1]
+        own = torch.eye(a, dtype=torch.bool, device=dev)[None].expand(b, -1, -1)
+        blocks: list[list[tuple[Tensor, Tensor]]] = []
+        for s in range(2, mc.serial + 1):
+            x_tok, _ = token_at(batch, s)
+            mask = torch.cat([sees_ctx] + [own] * (len(blocks) + 1), -1)[:, None]  # [B, 1, A, T-1 + (s-1) A]
+            past = [(torch.cat([ctx[i][0]] + [blk[i][0] for blk in blocks], 2),
+                     torch.cat([ctx[i][1]] + [blk[i][1] for blk in blocks], 2)) for i in range(len(ctx))]
+            h, new = model.serial(hs[-1], x_tok, anc + s - 1, mask, past)
+            blocks.append(new)
+            hs.append(h)
+        head_in = list(hs)
+    else:
+        hs, head_in = [], [model.feature(_take(batch.feats, anc))]
+    if mc.parallel > 0:
+        last_tok, _ = token_at(batch, mc.serial + 1)
+        x = torch.cat(head_in + [model.embed[last_tok]], -1)  # [B, A, (max(S,1)+1) H]
+        states = model.head_states(x.flatten(0, 1)).unflatten(0, (b, a))  # [B, A, M, H]
+        hs += [states[:, :, j] for j in range(mc.parallel)]
+    return hs
+
+
+def losses(model: HybridModel, batch: Batch, t2d: Tensor, cfg: TrainConfig) -> tuple[Tensor, DepthStats]:
+    """Weighted loss of one batch and its per-depth statistics (see the module docstring)."""
+    mc = model.cfg
+    stats = DepthStats.empty(mc.depth)
+    total = torch.zeros((), device=batch.tokens.device)
+    for d, h in enumerate(draft_states(model, batch), 1):
+        w = cfg.decay ** (d - 1)
+        lab, ok = token_at(batch, 1 + d)
+        lab = t2d[lab]
+        ok = ok & (lab >= 0)
+        n = int(ok.sum())
+        if n == 0:
+            continue
+        logits = model.logits(h[ok])  # [n, V'] only for labelled anchors
+        ce = F.cross_entropy(logits.float(), lab[ok], reduction="sum")
+        total = total + w * ce / n
+        stats.n[d - 1] += n
+        stats.correct[d - 1] += int((logits.argmax(-1) == lab[ok]).sum())
+        stats.ce[d - 1] += float(ce.detach())
+        if d <= mc.serial and cfg.feature_loss > 0 and batch.final is not None:
+            # h^d should match the target's final feature f_{i+d} (which predicted the same token)
+            ref = _take(batch.final, (batch.anchors + d).clamp(max=batch.tokens.shape[1] - 1))
+            total = total + cfg.feature_loss * w * F.smooth_l1_loss(h[ok], ref[ok])
+    return total, stats
+
+
+# ---------------------------------------------------------------------------- resumable state
+
+
+def state_path(out: Path) -> Path:
+    return out.with_name(out.name + ".resume.safetensors")
+
+
+def save_state(path: Path, model: HybridModel, opt: torch.optim.Optimizer, meta: dict) -> None:
+    """Weights, optimizer moments and ``meta`` (JSON) in one safetensors file, written atomically."""
+    from safetensors.torch import save_file
+
+    sd = opt.state_dict()
+    tensors = {f"model.{k}": v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    for pid, st in sd["state"].items():
+        for name, value in st.items():
+            tensors[f"opt.{pid}.{name}"] = torch.as_tensor(value).clone()
+    meta = {**meta, "param_groups": sd["param_groups"]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata={"meta": json.dumps(meta)})
+    tmp.replace(path)
+
+
+def load_state(path: Path, model: HybridModel, opt: torch.optim.Optimizer) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = json.loads(f.metadata()["meta"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+    state: dict[int, dict] = {}
+    for k, v in tensors.items():
+        if k.startswith("opt."):
+            _, pid, name = k.split(".", 2)
+            state.setdefault(int(pid), {})[name] = v
+    opt.load_state_dict({"state": state, "param_groups": meta.pop("param_groups")})
+    return meta
+
+
+# ---------------------------------------------------------------------------- training
+
+
+def train_hybrid(target, data_dir: str | Path, feat_dir: str | Path, out: str | Path, cfg: TrainConfig,
+                 quiet: bool = False, log=print) -> dict:
+    """Train a hybrid drafter for ``target`` and write ``out`` (safetensors + manifest).  Re-running
+    the same command after an interruption resumes after the last finished epoch."""
+    from tqdm import tqdm
+
+    from specdraft.checkpoint import save_checkpoint
+
+    out = Path(out)
+    dev = target.device
+    tcfg = target.config
+    mcfg = cfg.model_config(tcfg)
+    bad = [x for x in cfg.feature_layers if not -1 <= x <= tcfg.num_layers]
+    if bad:
+        raise SpecdraftError(f"feature layer {bad[0]} does not exist (the target has {tcfg.num_layers} layers; -1 = final)")
+    corpus, data_manifest = load_corpus(data_dir, feat_dir, cfg.feature_layers,
+                                        need_final=cfg.feature_loss > 0 and cfg.serial > 0, shards=cfg.shards)
+    if data_manifest["target_hash"] != target.weight_hash:
+        raise SpecdraftError(f"{data_dir} was generated by target {data_manifest['target_name']!r}, not the loaded target")
+    n_seq = len(corpus.tokens)
+    g = torch.Generator().manual_seed(cfg.seed)
+    n_held = min(n_seq - 1, max(1, int(n_seq * cfg.holdout))) if n_seq > 1 else 0
+    perm = torch.randperm(n_seq, generator=g).tolist()
+    val_ids, train_ids = sorted(perm[:n_held]), sorted(perm[n_held:])
+    vocab_ids = draft_vocabulary(corpus, train_ids, cfg.draft_vocab, tcfg.vocab_size, target.eos_ids)
+    t2d = torch.full((tcfg.vocab_size,), -100, dtype=torch.long)
+    t2d[vocab_ids] = torch.arange(len(vocab_ids))
+    t2d = t2d.to(dev)
+    resp = [t for k in train_ids for t in corpus.tokens[k][corpus.prompt_len[k]:]]
+    covered = float((t2d[torch.tensor(resp, device=dev)] >= 0).float().mean()) if resp else 0.0
+
+    torch.manual_seed(cfg.seed)
+    tm = target.model
+    model = HybridModel(mcfg, tm.embed.weight.float(), tm.lm_head.weight.float(), vocab_ids.to(dev)).to(dev).train()
+    n_target = sum(p.numel() for p in tm.parameters())
+    log(f"{mcfg.kind} drafter (serial {mcfg.serial}, parallel {mcfg.parallel}): {model.n_params():,} trainable "
+        f"parameters ({model.n_params() / n_target:.1%} of the target); draft vocabulary {len(vocab_ids)} tokens "
+        f"covering {covered:.2%} of training response tokens; {len(train_ids)} training / {len(val_ids)} held-out sequences")
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+                            lr=cfg.lr)
+    plans = [plan_epoch(corpus, train_ids, cfg.batch_tokens, torch.Generator().manual_seed(cfg.seed * 1000 + e))
+             for e in range(cfg.epochs)]
+    total_steps = sum(len(p) for p in plans)
+
+    def set_lr(step: int) -> None:  # linear warm-up, then cosine to zero
+        f = min(1.0, (step + 1) / max(1, cfg.warmup_steps)) * 0.5 * (1 + math.cos(math.pi * min(step, total_steps) / total_steps))
+        for grp in opt.param_groups:
+            grp["lr"] = cfg.lr * f
+
+    spath = state_path(out)
+    fingerprint = json.loads(json.dumps({"config": asdict(cfg), "data": manifest_sha256(data_manifest),
+                                         "target": target.weight_hash}))
+    start_epoch, history = 0, []
+    if spath.is_file():
+        try:
+            meta = load_state(spath, model, opt) if _fingerprint_of(spath) == fingerprint else None
+        except Exception as e:  # a torn or foreign state file: start over rather than fail
+            log(f"ignoring {spath}: {e}")
+            meta = None
+        if meta is not None:
+            start_epoch, history = meta["epoch"], meta["history"]
+            log(f"resuming from {spath} after epoch {start_epoch}")
+        else:
+            log(f"ignoring {spath}: it belongs to another run configuration")
+
+    @torch.no_grad()
+    def evaluate() -> dict:
+        model.eval()
+        st = DepthStats.empty(mcfg.depth)
+        gen = torch.Generator().manual_seed(12345)
+        for ids in plan_epoch(corpus, val_ids, cfg.batch_tokens, gen):
+            st.add(losses(model, make_batch(corpus, ids, cfg.anchors, gen, dev), t2d, cfg)[1])
+        model.train()
+        return st.summary()
+
+    t_train = time.perf_counter()
+    step = sum(len(p) for p in plans[:start_epoch])
+    for epoch in range(start_epoch, cfg.epochs):
+        gen = torch.Generator().manual_seed(cfg.seed * 1000 + epoch + 7)
+        bar = tqdm(plans[epoch], desc=f"epoch {epoch + 1}/{cfg.epochs}", disable=quiet)
+        run_loss, seen, t_epoch = 0.0, DepthStats.empty(mcfg.depth), time.perf_counter()
+        for i, ids in enumerate(bar):
+            batch = make_batch(corpus, ids, cfg.anchors, gen, dev)
+            set_lr(step)
+            loss, st = losses(model, batch, t2d, cfg)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            step += 1
+            lv = float(loss.detach())
+            if not math.isfinite(lv):
+                raise SpecdraftError(f"the training loss is not finite ({lv}) at epoch {epoch + 1}; lower --lr")
+            run_loss = 0.95 * run_loss + 0.05 * lv if i else lv
+            seen.add(st)
+            if i == 4 and len(plans[epoch]) > 10:
+                per = (time.perf_counter() - t_epoch) / 5
+                log(f"epoch {epoch + 1}: {len(plans[epoch])} batches, expected {per * len(plans[epoch]) / 60:.1f} min "
+                    f"per epoch at {per:.2f} s per batch")
+            if i % 10 == 0:
+                bar.set_postfix(loss=f"{run_loss:.3f}", top1=f"{seen.summary()['top1'][0]:.2f}")
+        bar.close()
+        ev = evaluate()
+        tr = seen.summary()
+        history.append({"epoch": epoch + 1, "train_loss": run_loss, "train_top1": tr["top1"], "val_top1": ev["top1"],
+                        "val_ce": ev["ce"], "epoch_s": time.perf_counter() - t_epoch})
+        log(f"epoch {epoch + 1}: train loss {run_loss:.3f}; held-out top-1 per depth "
+            + " ".join(f"{x:.1%}" for x in ev["top1"]) + "; CE " + " ".join(f"{x:.2f}" for x in ev["ce"])
+            + f" ({time.perf_counter() - t_epoch:.0f}s)")
+        save_state(spath, model, opt, {"fingerprint": fingerprint, "epoch": epoch + 1, "history": history})
+
+    manifest = {
+        "kind": "hybrid",
+        "target_name": target.name,
+        "target_hash": target.weight_hash,
+        "config": asdict(mcfg),
+        "drafter": mcfg.kind,
+        "train": asdict(cfg),
+        "draft_vocab_coverage": covered,
+        "data": {"dir": str(data_dir), "manifest_sha256": manifest_sha256(data_manifest), "shards": data_manifest["shards_used"],
+                 "sequences": n_seq, "response_tokens": data_manifest["response_tokens"]},
+        "history": history,
+        "params": model.n_params(),
+        "target_params": n_target,
+        "train_wall_s": time.perf_counter() - t_train,
+    }
+    sd = {k: (v.to(torch.float16) if v.is_floating_point() else v) for k, v in model.state_dict().items()}
+    save_checkpoint(out, sd, manifest)
+    spath.unlink(missing_ok=True)
+    log(f"wrote {out}")
+    return manifest
+
+
+def _fingerprint_of(path: Path) -> dict | None:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return json.loads((f.metadata() or {}).get("meta", "{}")).get("fingerprint")

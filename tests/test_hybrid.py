@@ -1,0 +1,265 @@
+"""Hybrid drafter (Gumiho; Medusa = serial 0, EAGLE-style = parallel 0): tree construction on
+hand-written head outputs, training maths == drafting maths, losslessness on real prompts with a
+tiny model, checkpoint errors, resumable training."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specdraft.drafters import make_drafter
+from specdraft.drafters.base import NoDrafter
+from specdraft.drafters.hybrid import (HybridConfig, HybridDraftConfig, HybridDrafter, HybridModel, Level,
+                                       build_beam_tree, default_weights_path, expand_level, parallel_levels)
+from specdraft.errors import SpecdraftError
+from specdraft.generate import GenerateConfig, generate
+from specdraft.model.llama import FINAL, ForwardOutput
+from specdraft.train import hybrid as H
+from specdraft.verify import Accepted
+
+L = math.log
+CONFIGS = {"gumiho": (2, 2), "medusa": (0, 3), "eagle": (3, 0)}
+PROMPTS = ["What is 17 * 23? Think step by step.", "Write a Python function that reverses a string.",
+           "Tell me about the United States of America."]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run faster on one thread (no hand-offs between threads on a busy 2-core CPU)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ---------------------------------------------------------------------------- tree construction
+
+
+def test_global_top_budget_tree_on_hand_written_levels():
+    # log-probabilities in whole numbers (exact sums, so ties are real ties)
+    # depth 1: a -1, b -2, c -4; depth 2 under a: d -1, e -2; under b: f -0.5; depth 3 under d: g 0, under f: h -1
+    lv = [Level([0, 0, 0], [10, 11, 12], [-1.0, -2.0, -4.0]),
+          Level([0, 0, 1], [13, 14, 15], [-1.0, -2.0, -0.5]),
+          Level([0, 2], [16, 17], [0.0, -1.0])]
+    # cumulative: a -1, b -2, c -4, ad -2, ae -3, bf -2.5, adg -2, bfh -3.5
+    tree, picked = build_beam_tree(99, lv, budget=5)
+    # a; the ties at -2 shallowest first: b, ad, adg; then bf
+    assert tree.tokens == [99, 10, 11, 13, 16, 15]
+    assert tree.parents == [-1, 0, 0, 1, 3, 2]
+    assert picked == [(0, 0), (0, 1), (1, 0), (2, 0), (1, 2)]
+    tree, _ = build_beam_tree(99, lv, budget=7)  # then ae (-3) and bfh (-3.5); c (-4) stays out
+    assert tree.tokens == [99, 10, 11, 13, 16, 15, 14, 17]
+    assert tree.parents == [-1, 0, 0, 1, 3, 2, 1, 5]
+    assert build_beam_tree(99, lv, budget=0)[0].tokens == [99]
+    assert sorted(build_beam_tree(99, lv, budget=100)[0].tokens) == [10, 11, 12, 13, 14, 15, 16, 17, 99]
+
+
+def test_prefix_closed_even_when_a_child_ties_its_parent():
+    lv = [Level([0, 0], [1, 2], [L(0.5), L(0.5)]), Level([1], [3], [0.0])]  # node 2's child has prob 1
+    tree, _ = build_beam_tree(0, lv, budget=2)
+    assert tree.tokens == [0, 1, 2]  # the child (score .5, depth 2) waits for depth-1 ties
+    tree, _ = build_beam_tree(0, lv, budget=3)
+    assert tree.tokens == [0, 1, 2, 3] and tree.parents == [-1, 0, 0, 2]
+
+
+def test_beam_expansion_of_serial_and_parallel_levels():
+    # serial expansion: two expanded nodes (cumulative log .5, .2), top-2 children each, width 3
+    lv, cums = expand_level([L(0.5), L(0.2)], [[7, 8], [9, 7]], [[L(0.5), L(0.4)], [L(0.9), L(0.1)]], width=3)
+    assert lv.parents == [0, 0, 1] and lv.tokens == [7, 8, 9]
+    assert [round(math.exp(c), 4) for c in cums] == [0.25, 0.2, 0.18]
+    # parallel: beams (.5, .25); head 0 and head 1 top-2 per beam, width 2 per depth
+    toks = [[[1, 2], [3, 4]], [[5, 6], [7, 8]]]
+    lps = [[[L(0.8), L(0.2)], [L(0.6), L(0.4)]], [[L(0.9), L(0.1)], [L(0.5), L(0.5)]]]
+    par = parallel_levels([L(0.5), L(0.25)], toks, lps, width=2)
+    # depth +1: beam0/1 (.4), beam1/5 (.225) ; depth +2: under 1 -> 3 (.24), 4 (.16)
+    assert par[0].parents == [0, 1] and par[0].tokens == [1, 5]
+    assert par[1].parents == [0, 0] and par[1].tokens == [3, 4]  # head 1 of beam 0 under node "1"
+    assert [round(math.exp(x), 4) for x in par[1].logps] == [0.6, 0.4]
+    tree, _ = build_beam_tree(0, [Level([0, 0], [50, 51], [L(0.5), L(0.25)])] + par, budget=4)
+    assert tree.tokens == [0, 50, 1, 51, 3] and tree.parents == [-1, 0, 1, 0, 2]
+
+
+# ---------------------------------------------------------------------------- training == drafting
+
+
+def _random_model(target, serial: int, parallel: int, seed: int = 0, vocab: int = 0) -> HybridModel:
+    torch.manual_seed(seed)
+    cfg = HybridConfig.for_target(target.config, serial=serial, parallel=parallel, head_blocks=1,
+                                  feature_layers=(1, FINAL), draft_vocab=vocab)
+    tm = target.model
+    ids = torch.randperm(target.config.vocab_size)[:vocab] if vocab else torch.arange(target.config.vocab_size)
+    m = HybridModel(cfg, tm.embed.weight, tm.lm_head.weight, ids)
+    with torch.no_grad():
+        for p in m.parameters():  # sharper than the default init, residual blocks included
+            p.normal_(0, 0.3)
+    return m.eval()
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_drafting_steps_equal_the_training_maths(tiny_llama, kind):
+    from specdraft.bench.simulate import sequence_hidden
+
+    _, target, _ = tiny_llama
+    model = _random_model(target, *CONFIGS[kind], vocab=48)
+    d = HybridDrafter(model, HybridDraftConfig(topk=8, beams=8))
+    seq = torch.randint(2, 96, (30,), generator=torch.Generator().manual_seed(3)).tolist()
+    hid = sequence_hidden(target, seq, d.hidden_layers)
+    p = 12
+
+    def check(n: int) -> None:
+        """The drafter's top-1 chain at root x_n against teacher-forced training states at anchor n-1."""
+        levels = d.levels(64)  # wide enough that no child of an expanded node is pruned
+        chain, node = [], 0
+        for lv in levels:  # best child of the current node (levels are sorted best first)
+            i = next(i for i, par in enumerate(lv.parents) if par == node)
+            chain.append((lv.tokens[i], lv.logps[i]))
+            node = i
+        toks = seq[: n + 1] + [t for t, _ in chain]
+        feats = torch.zeros(len(toks), sum(h.shape[-1] for h in hid.values()))
+        feats[:n] = torch.cat([hid[k][0, :n] for k in d.hidden_layers], -1)
+        batch = H.Batch(torch.tensor([toks]), torch.tensor([len(toks)]), torch.tensor([0]), feats[None], None,
+                        torch.tensor([[n - 1]]), torch.tensor([[True]]))
+        with torch.no_grad():
+            states = H.draft_states(model, batch)
+        for depth, (h, (tok, lp)) in enumerate(zip(states, chain), 1):
+            ref = torch.log_softmax(model.logits(h[0, 0]), -1)
+            j = int((model.vocab_ids == tok).nonzero())
+            assert abs(float(ref[j]) - lp) < 1e-4, (kind, depth)
+            assert int(ref.argmax()) == j  # the chain is the training states' top-1 too
+
+    prefill = ForwardOutput(None, {k: v[:, :p] for k, v in hid.items()})
+    d.reset(seq[:p], seq[p], prefill)
+    check(p)
+    # accept two drafted tokens + bonus: the drafter reads the true features of the accepted nodes only
+    path = [0, 3, 5]
+    fake = {k: torch.full((1, 7, v.shape[-1]), float("nan")) for k, v in hid.items()}
+    for k, v in hid.items():
+        fake[k][0, path] = v[0, p : p + 3]
+    d.commit(Accepted(path=path, tokens=seq[p + 1 : p + 3], bonus=seq[p + 3]), ForwardOutput(None, fake))
+    check(p + 3)
+
+
+# ---------------------------------------------------------------------------- lossless decoding
+
+
+def test_random_drafters_are_lossless_on_real_prompts(tiny_chat_target):
+    t = tiny_chat_target
+    for kind, (s, m) in CONFIGS.items():
+        model = _random_model(t, s, m, vocab=512)
+        for p in PROMPTS[:2]:
+            ids = t.encode_prompt(p)
+            ref = generate(t, ids, NoDrafter(), GenerateConfig(max_new_tokens=24)).token_ids
+            for budget in (1, 4, 9):
+                d = HybridDrafter(model, HybridDraftConfig(budget=budget, topk=3, beams=2))
+                assert generate(t, ids, d, GenerateConfig(max_new_tokens=24)).token_ids == ref, (kind, budget)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tiny_chat_target, tmp_path_factory):
+    """Training data of the tiny chat target on real prompts (responses and features)."""
+    from specdraft.train import data as D
+    from specdraft.train.prompts import Prompt
+
+    root = tmp_path_factory.mktemp("hybrid")
+    texts = PROMPTS + ["List three colours.", "Explain recursion in one sentence.", "What is the capital of France?"]
+    prompts = [Prompt(id=i, source="gsm", text=f"{t} (variant {i})") for i, t in enumerate(texts * 2)]
+    cfg = D.BuildConfig(n_prompts=len(prompts), max_new_tokens=32, batch_size=6, shard_size=5, sources=("gsm",))
+    D.build_data(tiny_chat_target, root / "data", cfg, quiet=True, prompts=prompts)
+    D.cache_features(tiny_chat_target, root / "data", root / "feat", (1, FINAL), quiet=True)
+    return root
+
+
+def _train(target, root, out, kind="gumiho", epochs=2, **kw):
+    s, m = CONFIGS[kind]
+    cfg = H.TrainConfig(serial=s, parallel=m, feature_layers=(1, FINAL), draft_vocab=256, epochs=epochs,
+                        anchors=16, batch_tokens=256, lr=3e-3, warmup_steps=2, holdout=0.2, **kw)
+    return H.train_hybrid(target, root / "data", root / "feat", out, cfg, quiet=True, log=lambda *a: None)
+
+
+def test_trained_tiny_drafters_are_lossless_and_accept_drafts(tiny_chat_target, tiny_run, tmp_path):
+    t = tiny_chat_target
+    for kind in CONFIGS:
+        path = tmp_path / f"{kind}.safetensors"
+        m = _train(t, tiny_run, path, kind=kind, epochs=6, feature_loss=0.1 if kind != "medusa" else 0.0)
+        assert m["kind"] == "hybrid" and m["drafter"] == kind
+        assert m["history"][-1]["train_loss"] < m["history"][0]["train_loss"]
+        tpp = []
+        for p in PROMPTS:
+            ids = t.encode_prompt(f"{p} (variant 0)")
+            ref = generate(t, ids, NoDrafter(), GenerateConfig(max_new_tokens=32)).token_ids
+            for spec, budget in ((str(path), 1), (f"{path}@topk=2,beams=1", 3), (f"{path}@bf16=1", 8)):
+                d = make_drafter(spec, t, budget=budget)
+                assert isinstance(d, HybridDrafter) and d.name == kind
+                r = generate(t, ids, d, GenerateConfig(max_new_tokens=32))
+                assert r.token_ids == ref, (kind, spec, budget)
+                tpp.append(r.stats.tokens_per_pass)
+        assert max(tpp) > 1.0, kind  # drafts learned from the training responses get accepted
+
+
+# ---------------------------------------------------------------------------- checkpoints and training
+
+
+def test_corrupt_mismatched_and_missing_checkpoints(tiny_chat_target, tiny_llama, tiny_run, tmp_path):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(SpecdraftError, match="corrupt|not a specdraft"):
+        make_drafter(str(bad), tiny_chat_target)
+    from specdraft.drafters.hybrid import load_model
+
+    with pytest.raises(SpecdraftError, match="corrupt"):
+        load_model(tiny_chat_target, bad)
+    good = tmp_path / "g.safetensors"
+    _train(tiny_chat_target, tiny_run, good, kind="medusa", epochs=1)
+    with pytest.raises(SpecdraftError, match="trained for target"):
+        make_drafter(str(good), tiny_llama[1])
+    with pytest.raises(SpecdraftError, match="has no option 'top_n'"):
+        make_drafter(f"{good}@top_n=3", tiny_chat_target)
+    with pytest.raises(SpecdraftError, match="must be an integer"):
+        make_drafter(f"{good}@topk=x", tiny_chat_target)
+    with pytest.raises(SpecdraftError, match="0 or 1"):
+        make_drafter(f"{good}@bf16=2", tiny_chat_target)
+    if not default_weights_path("gumiho").is_file():
+        with pytest.raises(SpecdraftError, match="specdraft train hybrid --serial 2 --parallel 5"):
+            make_drafter("gumiho", tiny_chat_target)
+
+
+def test_training_resumes_to_the_same_weights(tiny_chat_target, tiny_run, tmp_path, monkeypatch):
+    from specdraft.checkpoint import load_checkpoint
+
+    ref = tmp_path / "ref.safetensors"
+    _train(tiny_chat_target, tiny_run, ref, feature_loss=0.1)
+    out = tmp_path / "cut.safetensors"
+    state = H.state_path(out)
+    real = H.losses
+
+    def interrupt_in_epoch_2(*a, **k):  # the resume state is written after epoch 1
+        if state.is_file():
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(H, "losses", interrupt_in_epoch_2)
+    with pytest.raises(KeyboardInterrupt):
+        _train(tiny_chat_target, tiny_run, out, feature_loss=0.1)
+    monkeypatch.setattr(H, "losses", real)
+    assert not out.exists() and state.is_file()
+    m = _train(tiny_chat_target, tiny_run, out, feature_loss=0.1)
+    a, _ = load_checkpoint(ref)
+    b, _ = load_checkpoint(out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert len(m["history"]) == 2 and not state.exists()
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_shipped_drafters_are_lossless_on_real_prompts(name, request):
+    if not default_weights_path(name).is_file():
+        pytest.skip(f"{name} weights not trained yet")
+    target = request.getfixturevalue("default_target")
+    for p in PROMPTS:
+        ids = target.encode_prompt(p)
+        ref = generate(target, ids, NoDrafter(), GenerateConfig(max_new_tokens=48)).token_ids
+        for budget in (2, 6):
+            r = generate(target, ids, make_drafter(name, target, budget=budget), GenerateConfig(max_new_tokens=48))
+            assert r.token_ids == ref, (name, p, budget)
+            assert r.stats.tokens_per_pass >= 1.0

@@ -13,7 +13,8 @@ from specdraft.drafters.base import Drafter, NoDrafter
 from specdraft.drafters.ngram import NgramConfig, NgramDrafter
 from specdraft.errors import SpecdraftError
 
-DRAFTERS = ("none", "ngram", "phrase")
+DRAFTERS = ("none", "ngram", "phrase", "gumiho", "medusa", "eagle")
+HYBRID = ("gumiho", "medusa", "eagle", "hybrid")  # trained hybrid drafters (checkpoint kind "hybrid")
 
 
 def _checkpoint_kind(path: Path) -> str:
@@ -46,7 +47,8 @@ def make_drafter(name: str, target=None, budget: int | None = None) -> Drafter:
     """Build the drafter ``name`` (or load a checkpoint path) for ``target``.
 
     Options after ``@`` tune a drafter: ``phrase@ngram=0`` (no prompt-lookup candidates in the
-    tree), ``phrase@top_n=4`` (entries expanded per step).
+    tree), ``phrase@top_n=4`` (entries expanded per step), ``gumiho@topk=4,beams=2,bf16=1``
+    (children scored per node, nodes expanded per depth, bfloat16 drafting; also ``medusa``, ``eagle``).
     """
     name, opts = parse_spec(name)
     path = None
@@ -55,7 +57,7 @@ def make_drafter(name: str, target=None, budget: int | None = None) -> Drafter:
         if not path.is_file():
             raise SpecdraftError(f"drafter checkpoint {path} not found")
         name = _checkpoint_kind(path)
-    allowed = {"phrase": {"ngram", "top_n"}}.get(name, set())
+    allowed = {"phrase": {"ngram", "top_n"}, **dict.fromkeys(HYBRID, {"topk", "beams", "bf16"})}.get(name, set())
     bad = sorted(set(opts) - allowed)
     if bad:
         raise SpecdraftError(f"drafter {name!r} has no option {bad[0]!r}" + (f" (options: {', '.join(sorted(allowed))})" if allowed else ""))
@@ -83,4 +85,8 @@ def make_drafter(name: str, target=None, budget: int | None = None) -> Drafter:
         except ValueError:
             raise SpecdraftError(f"phrase option top_n must be an integer (got {opts['top_n']!r})") from None
         return load_phrase(target, path, budget=budget, with_ngram=with_ngram, top_n=top_n)
+    if name in HYBRID:
+        from specdraft.drafters.hybrid import load_hybrid
+
+        return load_hybrid(target, name, path, budget=budget, opts=opts)
     raise SpecdraftError(f"unknown drafter {name!r} (available: {', '.join(DRAFTERS)}, or a checkpoint path)")

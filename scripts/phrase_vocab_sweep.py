@@ -45,13 +45,32 @@ def main() -> None:
         heads[v] = path
     specs = [f"{p}@ngram=0" for p in heads.values()] + [str(p) for p in heads.values()]
     res = acceptance_sweep(target, specs, ["gsm", "mtbench", "humaneval"], args.n, args.max_new_tokens,
-                           [args.budget], args.out)
+                           [args.budget], args.out, cache_dir=Path(args.heads) / "greedy_outputs")
     b = args.budget
     table: dict = {"budget": b, "sizes": sizes, "head_only": {}, "with_ngram": {}, "params": {}}
     from specdraft.checkpoint import load_checkpoint
 
+    from specdraft.bench.datasets import load_prompts
+    from specdraft.bench.simulate import greedy_outputs
+    from specdraft.train.phrase import PhraseVocab, longest_entry
+
+    outputs = {}  # the greedy outputs acceptance_sweep cached: positions with a matching entry
+    for ds in ("gsm", "mtbench", "humaneval"):
+        prompts = [target.encode_prompt(p) for p in load_prompts(ds, args.n)]
+        outputs[ds] = greedy_outputs(target, prompts, args.max_new_tokens, cache=Path(args.heads) / "greedy_outputs" / f"{ds}.json")
+    table["bench_coverage"] = {}
     for v, p in heads.items():
         _, m = load_checkpoint(p)
+        trie = PhraseVocab.from_json(m["vocab"]).trie()
+        table["bench_coverage"][v] = {}
+        for ds, outs in outputs.items():
+            hit = tot = 0
+            for o in outs:
+                o = [t for t in o if t not in target.eos_ids]
+                for n in range(len(o) - 1):
+                    tot += 1
+                    hit += longest_entry(trie, o, n + 1) >= 0
+            table["bench_coverage"][v][ds] = hit / max(1, tot)
         table["params"][v] = {"head": m["params"], "share_of_target": m["params"] / m["target_params"],
                               "train_wall_s": m["train_wall_s"], "coverage": m["coverage"]["share"],
                               "val_top1": m["history"][-1]["val_top1"]}

@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", nargs="?", help="the prompt (or use --file)")
     g.add_argument("--file", help="read the prompt from this file ('-' = stdin)")
     _add_target_args(g)
-    g.add_argument("--drafter", default="ngram", help="none, ngram (default: ngram)")
+    g.add_argument("--drafter", default="ngram", help="none, ngram, phrase, gumiho, medusa, eagle or a drafter checkpoint path (default: ngram)")
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
@@ -68,6 +68,41 @@ def build_parser() -> argparse.ArgumentParser:
     df.add_argument("--batch-size", type=int, default=8)
     df.add_argument("--quiet", action="store_true")
     _add_target_args(df)
+    t = sub.add_parser("train", help="train a drafter on a data folder (resumable)")
+    tsub = t.add_subparsers(dest="train_command", required=True)
+    tp = tsub.add_parser("phrase", help="mine a phrase vocabulary and train the phrase head")
+    tp.add_argument("--data", required=True, help="data folder from `specdraft data build`")
+    tp.add_argument("--features", default=None,
+                    help="feature folder from `specdraft data features --layers -1` (default: DATA/features, computed if missing)")
+    tp.add_argument("--vocab-size", type=int, default=8000, help="draft vocabulary entries (default 8000)")
+    tp.add_argument("--epochs", type=int, default=4)
+    tp.add_argument("--batch-size", type=int, default=1024)
+    tp.add_argument("--lr", type=float, default=2e-3)
+    tp.add_argument("--seed", type=int, default=0)
+    tp.add_argument("--out", required=True, help="checkpoint to write (.safetensors); re-run to resume")
+    tp.add_argument("--quiet", action="store_true")
+    _add_target_args(tp)
+    th = tsub.add_parser("hybrid", help="train a Gumiho hybrid drafter (Medusa: --serial 0, EAGLE-style: --parallel 0)")
+    th.add_argument("--serial", type=int, default=2, help="draft positions from the serial decoder layers (default 2)")
+    th.add_argument("--parallel", type=int, default=5, help="parallel MLP heads, one per later position (default 5)")
+    th.add_argument("--data", required=True, help="data folder from `specdraft data build`")
+    th.add_argument("--features", required=True,
+                    help="feature folder from `specdraft data features --layers ...` holding the --layers")
+    th.add_argument("--layers", default="-1", help="target features the drafter reads, e.g. 3,15,27 (default -1 = final)")
+    th.add_argument("--serial-layers", type=int, default=1, help="decoder layers of the serial part (default 1)")
+    th.add_argument("--head-blocks", type=int, default=1, help="residual blocks per MLP head (default 1)")
+    th.add_argument("--draft-vocab", type=int, default=8192, help="LM-head rows drafted from (0 = all; default 8192)")
+    th.add_argument("--epochs", type=int, default=4)
+    th.add_argument("--anchors", type=int, default=64, help="positions sampled per sequence per epoch (0 = all)")
+    th.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per batch")
+    th.add_argument("--lr", type=float, default=6e-4)
+    th.add_argument("--feature-loss", type=float, default=0.0,
+                    help="weight of feature regression (SmoothL1) for the serial states (default 0: cross-entropy only)")
+    th.add_argument("--shards", type=int, default=0, help="train on the first N data shards only (default all)")
+    th.add_argument("--seed", type=int, default=0)
+    th.add_argument("--out", required=True, help="checkpoint to write (.safetensors); re-run to resume")
+    th.add_argument("--quiet", action="store_true")
+    _add_target_args(th)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat/completions, completions, models, health)")
     _add_target_args(sv)
@@ -92,6 +127,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--system", default=None, help="system prompt")
     c.add_argument("--quiet", action="store_true", help="no live status or stats lines")
+    a = sub.add_parser("analyze", help="offline analyses of drafters (no timing)")
+    asub = a.add_subparsers(dest="analyze_command", required=True)
+    aa = asub.add_parser("acceptance", help="tokens per pass per drafter and node budget, replaying greedy output")
+    aa.add_argument("--drafter", action="append", default=[], help="drafter name, spec or checkpoint (repeatable)")
+    aa.add_argument("--dataset", action="append", default=[], help="mtbench, humaneval, gsm or a .jsonl file (repeatable)")
+    aa.add_argument("--budget", action="append", type=int, default=[], help="node budget (repeatable; default 3)")
+    aa.add_argument("--n", type=int, default=20)
+    aa.add_argument("--max-new-tokens", type=int, default=256)
+    aa.add_argument("--out", default="bench_out")
+    aa.add_argument("--quiet", action="store_true")
+    _add_target_args(aa)
     return parser
 
 
@@ -121,7 +167,7 @@ def cmd_generate(args) -> None:
     if args.max_new_tokens < 1:
         raise SpecdraftError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
     target = Target.load(args.target, device=args.device, dtype=args.dtype)
-    drafter = make_drafter(args.drafter, target)
+    drafter = make_drafter(args.drafter, target, budget=args.budget)
     ids = target.encode_prompt(prompt, raw=args.raw)
     cfg = GenerateConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
                          stop=args.stop, budget=args.budget)
@@ -232,6 +278,55 @@ def cmd_data(args) -> None:
         print(f"features in {out}", file=sys.stderr)
 
 
+def cmd_train(args) -> None:
+    from specdraft.target import Target
+
+    if args.train_command == "phrase":
+        from specdraft.train.data import cache_features, read_manifest
+        from specdraft.train.phrase import FEATURE_LAYER, TrainConfig, train_phrase
+
+        for name in ("vocab_size", "epochs", "batch_size"):
+            if getattr(args, name) < 1:
+                raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 1")
+        if not str(args.out).endswith(".safetensors"):
+            raise SpecdraftError("--out must be a .safetensors file")
+        read_manifest(Path(args.data))  # a clear error for a folder that is not a data build
+        target = Target.load(args.target, device=args.device, dtype=args.dtype)
+        feats = Path(args.features) if args.features else Path(args.data) / "features"
+        cache_features(target, args.data, feats, (FEATURE_LAYER,), quiet=args.quiet)  # skips shards already there
+        cfg = TrainConfig(vocab_size=args.vocab_size, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+                          seed=args.seed)
+        log = (lambda *a, **k: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+        train_phrase(target, args.data, feats, args.out, cfg, quiet=args.quiet, log=log)
+    elif args.train_command == "hybrid":
+        from specdraft.train.data import read_manifest
+        from specdraft.train.hybrid import TrainConfig as HybridTrainConfig
+        from specdraft.train.hybrid import train_hybrid
+
+        for name in ("epochs", "batch_tokens"):
+            if getattr(args, name) < 1:
+                raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 1")
+        for name in ("serial", "parallel", "anchors", "draft_vocab", "shards", "head_blocks"):
+            if getattr(args, name) < 0:
+                raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 0")
+        if not str(args.out).endswith(".safetensors"):
+            raise SpecdraftError("--out must be a .safetensors file")
+        try:
+            layers = tuple(int(x) for x in args.layers.split(","))
+        except ValueError:
+            raise SpecdraftError(f"--layers must be comma-separated integers (got {args.layers!r})") from None
+        cfg = HybridTrainConfig(serial=args.serial, parallel=args.parallel, serial_layers=args.serial_layers,
+                                head_blocks=args.head_blocks, feature_layers=layers, draft_vocab=args.draft_vocab,
+                                epochs=args.epochs, anchors=args.anchors, batch_tokens=args.batch_tokens, lr=args.lr,
+                                feature_loss=args.feature_loss, shards=args.shards, seed=args.seed)
+        if args.serial + args.parallel < 1 or args.serial_layers < 1:
+            raise SpecdraftError("a hybrid drafter needs --serial + --parallel >= 1 and --serial-layers >= 1")
+        read_manifest(Path(args.data))  # a clear error for a folder that is not a data build
+        target = Target.load(args.target, device=args.device, dtype=args.dtype)
+        log = (lambda *a, **k: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+        train_hybrid(target, args.data, args.features, args.out, cfg, quiet=args.quiet, log=log)
+
+
 def _engine_parts(args):
     from specdraft.drafters import make_drafter
     from specdraft.target import Target
@@ -282,6 +377,27 @@ def cmd_chat(args) -> None:
     run_chat(ChatSession(target, drafter, cfg, system=args.system), quiet=args.quiet)
 
 
+def cmd_analyze(args) -> None:
+    from specdraft.bench.simulate import acceptance_sweep
+    from specdraft.target import Target
+
+    if args.analyze_command == "acceptance":
+        if not args.dataset:
+            raise SpecdraftError("give at least one --dataset")
+        if args.n < 1 or args.max_new_tokens < 1:
+            raise SpecdraftError("--n and --max-new-tokens must be >= 1")
+        target = Target.load(args.target, device=args.device, dtype=args.dtype)
+        budgets = args.budget or [3]
+        res = acceptance_sweep(target, args.drafter, args.dataset, args.n, args.max_new_tokens, budgets, args.out,
+                               quiet=args.quiet)
+        print("| dataset | drafter | " + " | ".join(f"budget {b}" for b in budgets) + " |")
+        print("|---|---|" + "---|" * len(budgets))
+        for ds, per in res["datasets"].items():
+            for d, tpp in per.items():
+                print(f"| {ds} | {d} | " + " | ".join(f"{tpp[b]:.2f}" for b in budgets) + " |")
+        print(f"wrote {Path(args.out) / 'acceptance.json'}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -295,6 +411,10 @@ def main(argv: list[str] | None = None) -> int:
             cmd_serve(args)
         elif args.command == "chat":
             cmd_chat(args)
+        elif args.command == "train":
+            cmd_train(args)
+        elif args.command == "analyze":
+            cmd_analyze(args)
     except SpecdraftError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

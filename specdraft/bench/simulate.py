@@ -117,7 +117,8 @@ def simulate_dataset(target, drafters: dict, prompts: list[list[int]], outputs: 
 
 
 def acceptance_sweep(target, drafters: list[str], datasets: list[str], n: int, max_new_tokens: int,
-                     budgets: list[int], out_dir: str | Path, quiet: bool = False) -> dict:
+                     budgets: list[int], out_dir: str | Path, quiet: bool = False,
+                     cache_dir: str | Path | None = None) -> dict:
     """Offline tokens per pass per dataset x drafter x budget; writes DIR/acceptance.json."""
     from specdraft.bench.datasets import load_prompts
     from specdraft.drafters import make_drafter
@@ -134,7 +135,7 @@ def acceptance_sweep(target, drafters: list[str], datasets: list[str], n: int, m
                  "datasets": {}}
     for ds in datasets:
         prompts = [target.encode_prompt(p) for p in load_prompts(ds, n)]
-        outs = greedy_outputs(target, prompts, max_new_tokens, cache=out / "greedy_outputs" / f"{Path(ds).stem}.json",
+        outs = greedy_outputs(target, prompts, max_new_tokens, cache=Path(cache_dir or out / "greedy_outputs") / f"{Path(ds).stem}.json",
                               quiet=quiet)
         res["datasets"][ds] = simulate_dataset(target, made, prompts, outs, budgets, quiet=quiet)
     out.mkdir(parents=True, exist_ok=True)

@@ -88,6 +88,8 @@ def generate(
     hist: Counter[int] = Counter()
     t_start = time.perf_counter()
 
+    if budget > 0:
+        target.model.pack_for_rows(budget + 1)  # full trees take the packed-weight path (CPU fp32)
     out = target.prefill(prompt_ids, max_slots=len(prompt_ids) + max_new + budget + 1,
                          hidden_layers=drafter.hidden_layers)
     last_logits = out.logits[0, -1]

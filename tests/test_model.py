@@ -64,3 +64,35 @@ def test_tree_pass_equals_sequential(tiny_llama):
         out = target.prefill(seq, max_slots=32)
         assert (out.logits[0, -1] - logits[node]).abs().max().item() < TOL
         target.prefill(prompt, max_slots=32)
+
+
+def test_packed_weights_match_the_generic_path(tiny_llama):
+    from specdraft.model.llama import mkl_packing_available
+    from specdraft.tree import Tree
+
+    target = tiny_llama[1]
+    if not mkl_packing_available():
+        pytest.skip("this torch build has no MKL packed GEMM (the generic path is the only one)")
+    tree = Tree(tokens=[5, 6, 7, 8, 9], parents=[-1, 0, 0, 1, 2])
+    target.model.drop_packs()
+    target.prefill([1, 2, 3, 4], max_slots=16)
+    ref = target.forward_tree(tree).logits
+    assert target.model.pack_for_rows(len(tree)) and target.model.lm_head.packs
+    target.prefill([1, 2, 3, 4], max_slots=16)
+    got = target.forward_tree(tree).logits
+    assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4)
+    for rows in (2, 3, 9):  # at most two sizes are held
+        target.model.pack_for_rows(rows)
+    assert sorted(target.model.lm_head.packs) == [3, 9]
+    target.model.drop_packs()
+
+
+def test_best_budget_uses_the_cost_envelope():
+    from specdraft.bench.cost import best_budget
+
+    curve = {"n": [1, 2, 3, 4, 5], "ratio": [1.0, 1.1, 1.6, 1.2, 1.3]}
+    # budget b costs the envelope at b + 1: 1.1, 1.6, 1.6, 1.6
+    assert best_budget(curve, {"1": 1.5, "2": 2.0, "3": 2.2, "4": 2.4}, default=7) == 4
+    assert best_budget(curve, {"1": 1.5, "2": 1.6}, default=7) == 1
+    assert best_budget(None, {"1": 1.5}, default=7) == 7
+    assert best_budget(curve, {}, default=7) == 7

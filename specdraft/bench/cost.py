@@ -1,6 +1,7 @@
 """The target's verification cost curve: time of one pass over N tree tokens, N = 1..64.
 
-On a CPU a pass over N tokens costs much more than one token (here, 8 tokens ~1.9x), so a
+On a CPU a pass over N tokens costs more than one token (here, 8 tokens ~1.4x with packed
+weights, ~1.9x without), so a
 drafter's node budget must be sized to this machine: ``budget_from_curve`` picks the largest
 tree whose pass costs at most ``max_ratio`` times a single-token pass.
 """
@@ -35,6 +36,7 @@ def measure_cost_curve(target, max_n: int = 64, context: int = 256, repeats: int
     ms: list[float] = []
     for n in tqdm(ns, desc="cost curve", disable=quiet):
         tree = Tree(tokens=prompt[:n], parents=[-1] + list(range(n - 1)))
+        target.model.pack_for_rows(n)  # as generate() does for a budget of n - 1 nodes
         target.forward_tree(tree)  # warm-up for this shape
         times = []
         for _ in range(repeats):
@@ -44,7 +46,7 @@ def measure_cost_curve(target, max_n: int = 64, context: int = 256, repeats: int
         ms.append(1000 * statistics.median(times))
     return {"target": target.name, "target_hash": target.weight_hash, "device": target.device.type,
             "threads": torch.get_num_threads(), "context": context, "n": ns, "ms": ms,
-            "ratio": [m / ms[0] for m in ms]}
+            "ratio": [m / ms[0] for m in ms], "packed_weights": bool(target.model.lm_head.packs)}
 
 
 def save_cost_curve(target, curve: dict) -> Path:
@@ -70,3 +72,16 @@ def budget_from_curve(curve: dict, max_ratio: float = 1.5, default: int = 8, cap
     if not ok:
         return default
     return max(1, min(cap, max(ok) - 1))
+
+
+def best_budget(curve: dict | None, tokens_per_pass: dict, default: int) -> int:
+    """The budget maximising tokens per pass / pass cost (``tokens_per_pass``: budget -> measured
+    tokens per pass, e.g. a drafter's held-out profile); ``default`` without a curve or profile."""
+    if not curve or not tokens_per_pass:
+        return default
+    ratio, worst = {}, 0.0
+    for n, r in zip(curve["n"], curve["ratio"]):  # a bigger tree is never counted as cheaper (noise)
+        worst = max(worst, r)
+        ratio[n] = worst
+    scored = [(float(t) / ratio[int(b) + 1], int(b)) for b, t in tokens_per_pass.items() if int(b) + 1 in ratio]
+    return max(scored)[1] if scored else default

@@ -10,7 +10,6 @@ the same tree (the phrase unit is orthogonal to tree width and depth).  Training
 from __future__ import annotations
 
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 import torch
@@ -27,13 +26,13 @@ DEFAULT_WEIGHTS = "phrase_smollm2_135m.safetensors"
 
 
 def default_weights_path() -> Path:
-    return Path(str(resources.files("specdraft") / "weights" / DEFAULT_WEIGHTS))
+    return Path(__file__).resolve().parents[1] / "weights" / DEFAULT_WEIGHTS
 
 
 @dataclass
 class PhraseConfig:
-    top_n: int = 8  # entries expanded per step (before the budget cuts the tree)
-    budget: int = 3  # drafted nodes per tree
+    top_n: int = 16  # entries expanded per step (the budget cuts the tree; more fill it when entries share prefixes)
+    budget: int = 6  # drafted nodes per tree without a cost curve (best measured on a 2-core CPU)
     with_ngram: bool = True  # also merge the prompt-lookup candidates into the tree
     ngram_first: bool = False  # order: phrase top-1 first (False) or ngram top-1 first
 
@@ -102,8 +101,6 @@ class PhraseDrafter:
 def load_phrase(target, path: str | Path | None = None, budget: int | None = None, with_ngram: bool = True,
                 top_n: int | None = None) -> PhraseDrafter:
     cfg = PhraseConfig(with_ngram=with_ngram)
-    if budget is not None:
-        cfg.budget = budget
     if top_n is not None:
         if top_n < 1:
             raise SpecdraftError(f"phrase option top_n must be >= 1 (got {top_n})")
@@ -111,4 +108,12 @@ def load_phrase(target, path: str | Path | None = None, budget: int | None = Non
     p = Path(path) if path is not None else default_weights_path()
     if path is None and not p.is_file():
         raise SpecdraftError(f"the shipped phrase head {p} is missing from this install")
-    return PhraseDrafter.load(target, p, cfg)
+    d = PhraseDrafter.load(target, p, cfg)
+    if budget is None and with_ngram:
+        # the budget that maximises held-out tokens per pass / pass cost on this machine's curve
+        from specdraft.bench.cost import best_budget, load_cost_curve
+
+        budget = best_budget(load_cost_curve(target), d.manifest.get("acceptance_by_budget", {}), cfg.budget)
+    if budget is not None:
+        d.cfg.budget = d.default_budget = budget
+    return d

@@ -443,7 +443,65 @@ def train_phrase(target, data_dir: str | Path, feat_dir: str | Path, out: str | 
         "target_params": n_target,
         "train_wall_s": time.perf_counter() - t_train,
     }
+    held_seqs = [i for i in held.tolist()]
+    offsets = [0]
+    for sq in seqs:
+        offsets.append(offsets[-1] + len(sq.tokens))
+    head16 = PhraseHead(head.cfg)
+    head16.load_state_dict({k: v.to(torch.float16).float() for k, v in head.state_dict().items()})
+    manifest["acceptance_by_budget"] = acceptance_profile(head16, pvocab, target, [seqs[i] for i in held_seqs],
+                                                          [feats[offsets[i] : offsets[i + 1]] for i in held_seqs])
+    log(f"held-out tokens per pass by budget (offline replay, with prompt lookup): {manifest['acceptance_by_budget']}")
     save_checkpoint(out, {k: v.to(torch.float16) for k, v in head.state_dict().items()}, manifest)
     state_path.unlink(missing_ok=True)
     log(f"wrote {out}")
     return manifest
+
+
+PROFILE_BUDGETS = (1, 2, 3, 4, 6, 8, 12, 16)
+
+
+@torch.no_grad()
+def acceptance_profile(head: PhraseHead, pvocab: PhraseVocab, target, seqs, feats: list[Tensor],
+                       budgets=PROFILE_BUDGETS, max_seqs: int = 48) -> dict[str, float]:
+    """Tokens per pass by node budget, replaying held-out responses offline (shipped configuration:
+    phrase entries + prompt lookup).  Lets the drafter pick its budget from a machine's cost curve."""
+    from specdraft.bench.simulate import simulate
+    from specdraft.drafters.phrase import PhraseConfig, PhraseDrafter
+
+    drafter = PhraseDrafter(head.eval(), pvocab, target.model.embed.weight.detach().cpu(), PhraseConfig())
+    special = set(target.tokenizer.all_special_ids) if target.tokenizer is not None else set()
+    tot = {b: [0, 0] for b in budgets}
+    for sq, f in list(zip(seqs, feats))[:max_seqs]:
+        resp = split_response(sq.tokens, sq.prompt_len, special)
+        if len(resp) < 2:
+            continue
+        hidden = {FEATURE_LAYER: f[None, : sq.prompt_len + len(resp)].float()}
+        for b in budgets:
+            r = simulate(drafter, sq.tokens[: sq.prompt_len], resp, hidden, b)
+            tot[b][0] += r["tokens"]
+            tot[b][1] += r["passes"]
+    return {str(b): (t / p if p else 1.0) for b, (t, p) in tot.items()}
+
+
+def add_acceptance_profile(target, checkpoint: str | Path, data_dir: str | Path, feat_dir: str | Path) -> dict:
+    """Compute and store ``acceptance_by_budget`` in an existing phrase checkpoint (same held-out split)."""
+    from specdraft.checkpoint import load_checkpoint, save_checkpoint
+    from specdraft.train.data import load_sequences, read_manifest
+
+    tensors, manifest = load_checkpoint(checkpoint, target_hash=target.weight_hash, kind="phrase")
+    seqs = load_sequences(data_dir)
+    feats = load_feature_rows(feat_dir, read_manifest(Path(data_dir)))
+    cfg = manifest["train"]
+    g = torch.Generator().manual_seed(cfg["seed"])
+    held = torch.randperm(len(seqs), generator=g)[: max(1, int(len(seqs) * cfg["holdout"]))].tolist()
+    offsets = [0]
+    for sq in seqs:
+        offsets.append(offsets[-1] + len(sq.tokens))
+    head = PhraseHead(PhraseHeadConfig(**manifest["head"]))
+    head.load_state_dict({k: v.float() for k, v in tensors.items()})
+    manifest["acceptance_by_budget"] = acceptance_profile(head, PhraseVocab.from_json(manifest["vocab"]), target,
+                                                          [seqs[i] for i in held],
+                                                          [feats[offsets[i] : offsets[i + 1]] for i in held])
+    save_checkpoint(checkpoint, tensors, manifest)
+    return manifest["acceptance_by_budget"]

@@ -45,7 +45,7 @@ def main() -> None:
         heads[v] = path
     specs = [f"{p}@ngram=0" for p in heads.values()] + [str(p) for p in heads.values()]
     res = acceptance_sweep(target, specs, ["gsm", "mtbench", "humaneval"], args.n, args.max_new_tokens,
-                           [args.budget], args.out, cache_dir=Path(args.heads) / "greedy_outputs")
+                           [args.budget], Path(args.heads), cache_dir=Path(args.heads) / "greedy_outputs")
     b = args.budget
     table: dict = {"budget": b, "sizes": sizes, "head_only": {}, "with_ngram": {}, "params": {}}
     from specdraft.checkpoint import load_checkpoint

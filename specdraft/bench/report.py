@@ -146,12 +146,14 @@ def plot_budget_curve(curve: dict, results: dict | None, path: Path) -> int:
     budget = budget_from_curve(curve)
     fig, ax = plt.subplots(figsize=(6, 3.8))
     ax.plot(curve["n"], curve["ratio"], marker=".", label="pass cost / one-token pass")
-    ax.axhline(1.5, color="gray", ls="--", lw=0.8, label="1.5x: largest tree the default budget allows")
-    ax.axvline(budget + 1, color="tab:red", ls=":", lw=1, label=f"picked: {budget} drafted nodes (+ root)")
+    ax.axhline(1.5, color="gray", ls="--", lw=0.8, label="1.5x: largest tree ngram's default budget allows")
+    ax.axvline(budget + 1, color="tab:red", ls=":", lw=1, label=f"ngram's pick: {budget} drafted nodes (+ root)")
     if results is not None:
-        ran = results.get("config", {}).get("budget")  # the run's --budget, else the one picked here
-        at = (budget if ran is None else ran) + 1
+        cfg = results.get("config", {})
+        ran = cfg.get("budget")  # the run's --budget, else each drafter's own (recorded), else the one picked here
         for m in drafter_methods(results):
+            used = ran if ran is not None else cfg.get("budgets", {}).get(m)
+            at = (budget if used is None else used) + 1
             for ds, d in results["datasets"].items():
                 tpp = d["methods"].get(m, {}).get("tokens_per_pass")
                 if tpp:
@@ -254,8 +256,9 @@ def _cost_section(curve: dict, results: dict | None, out: Path) -> list[str]:
     return ["## Verification cost and node budget", "",
             f"`cost_curve.json`: one target pass over N tokens relative to one token ({picks}; one token "
             f"{curve['ms'][0]:.1f} ms). A tree of N tokens pays off only when a pass banks more than that "
-            f"many tokens; the default budget is the largest tree costing at most 1.5x one token: "
-            f"{budget} drafted nodes. The crosses are the drafters' measured tokens per pass.", "",
+            f"many tokens; `ngram`'s default budget is the largest tree costing at most 1.5x one token: "
+            f"{budget} drafted nodes (trained drafters pick theirs from their own acceptance profile). "
+            f"The crosses are the drafters' measured tokens per pass at the tree size they ran with.", "",
             "![node budget](budget_curve.png)", ""]
 
 

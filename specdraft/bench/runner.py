@@ -85,6 +85,8 @@ def run_bench(
     results: dict = {"config": {"drafters": drafters, "n": n, "max_new_tokens": max_new_tokens, "target": target.name,
                                 "target_hash": target.weight_hash, "device": device, "budget": budget,
                                 "threads": torch.get_num_threads(), "tie_gap": TIE_GAP,
+                                "budgets": {m: (budget if budget is not None else d.default_budget)
+                                            for m, d in drafter_of.items()},
                                 "date": time.strftime("%Y-%m-%d %H:%M:%S")},
                      "datasets": {}}
     for ds, prompts in prompts_by_ds.items():

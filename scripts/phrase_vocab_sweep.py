@@ -22,6 +22,30 @@ from specdraft.target import Target  # noqa: E402
 from specdraft.train.phrase import TrainConfig, train_phrase  # noqa: E402
 
 
+def plot(table: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
+
+    sizes, b = table["sizes"], table["budget"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, key, title in zip(axes, ("head_only", "with_ngram"), ("phrase head only", "phrase + prompt lookup")):
+        for ds, ys in table[key].items():
+            ax.plot(sizes, ys, marker="o", label=ds)
+        ax.set_xscale("log")
+        ax.set_xticks(sizes, [f"{v // 1000}k" for v in sizes])
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("draft vocabulary entries")
+        ax.set_title(f"{title} (budget {b})")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("tokens per pass (offline replay, n=20 per dataset)")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", required=True)
@@ -33,7 +57,11 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=3)
     ap.add_argument("--n", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--plot-only", action="store_true", help="redraw OUT/vocab_sweep.png from OUT/vocab_sweep.json")
     args = ap.parse_args()
+    if args.plot_only:
+        plot(json.loads((Path(args.out) / "vocab_sweep.json").read_text()), Path(args.out) / "vocab_sweep.png")
+        return
     sizes = [int(x) for x in args.sizes.split(",")]
     target = Target.load()
     heads = {}
@@ -85,23 +113,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "vocab_sweep.json").write_text(json.dumps(table, indent=1))
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    for ax, key, title in zip(axes, ("head_only", "with_ngram"), ("phrase head only", "phrase + prompt lookup")):
-        for ds, ys in table[key].items():
-            ax.plot(sizes, ys, marker="o", label=ds)
-        ax.set_xscale("log")
-        ax.set_xlabel("draft vocabulary entries")
-        ax.set_title(f"{title} (budget {b})")
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("tokens per pass")
-    axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(out / "vocab_sweep.png", dpi=120)
+    plot(table, out / "vocab_sweep.png")
     print("| entries | head params (% of target) | coverage | gsm | mtbench | humaneval | gsm +ngram | mtbench +ngram | humaneval +ngram |")
     print("|---|---|---|---|---|---|---|---|---|")
     for i, v in enumerate(sizes):

@@ -400,21 +400,10 @@ def cmd_analyze(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    commands = {"generate": cmd_generate, "bench": cmd_bench, "data": cmd_data, "serve": cmd_serve,
+                "chat": cmd_chat, "train": cmd_train, "analyze": cmd_analyze}
     try:
-        if args.command == "generate":
-            cmd_generate(args)
-        elif args.command == "bench":
-            cmd_bench(args)
-        elif args.command == "data":
-            cmd_data(args)
-        elif args.command == "serve":
-            cmd_serve(args)
-        elif args.command == "chat":
-            cmd_chat(args)
-        elif args.command == "train":
-            cmd_train(args)
-        elif args.command == "analyze":
-            cmd_analyze(args)
+        commands[args.command](args)
     except SpecdraftError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -126,7 +126,7 @@ class Engine:
     def config(self, max_tokens: int | None, temperature: float | None, top_p: float | None,
                top_k: int | None, seed: int | None, stop: list[str]) -> GenerateConfig:
         temp = self.default_temperature if temperature is None else temperature
-        if temp < MIN_TEMPERATURE:  # logits / a subnormal temperature overflow to inf; it is greedy anyway
+        if temp < MIN_TEMPERATURE:  # this close to 0 sampling is greedy in effect: decode greedily, no seed
             temp = 0.0
         sampling = Sampling(temperature=temp, top_p=1.0 if top_p is None else top_p, top_k=top_k or 0)
         if seed is None and not sampling.greedy:

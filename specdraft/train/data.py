@@ -307,3 +307,34 @@ def cache_features(target, data_dir: str | Path, out_dir: str | Path, layers: tu
 def _free_bytes(path: Path) -> int:
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
+
+
+def read_features(feat_dir: str | Path, shard_files: list[str], layers: tuple[int, ...]) -> Tensor:
+    """The cached fp16 features [rows, len(layers) * H] of the given data shards: per shard file
+    ``features_XXXXX.safetensors`` with one key ``layer_L`` per layer, rows = every token of every
+    sequence in shard order; the layers side by side."""
+    from safetensors import safe_open
+
+    parts = []
+    for name in shard_files:
+        path = Path(feat_dir) / name.replace("shard_", "features_")
+        if not path.is_file():
+            raise SpecdraftError(f"feature shard {path} is missing: run `specdraft data features --data DATA "
+                                 f"--layers {','.join(map(str, layers))} --out {feat_dir}` first")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                keys = set(f.keys())
+                miss = [x for x in layers if f"layer_{x}" not in keys]
+                if miss:
+                    raise SpecdraftError(f"{path} has no features of layer {miss[0]} (has {', '.join(sorted(keys))})")
+                cols = [f.get_tensor(f"layer_{x}") for x in layers]
+        except SpecdraftError:
+            raise
+        except Exception as e:  # safetensors raises its own error types for a damaged file
+            raise SpecdraftError(f"corrupt feature shard {path}: {e}") from None
+        parts.append(torch.cat(cols, 1) if len(cols) > 1 else cols[0])
+    return torch.cat(parts)
+
+
+def manifest_sha256(manifest: dict) -> str:
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()

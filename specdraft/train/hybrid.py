@@ -21,7 +21,6 @@ positions per sequence (fixed by seed and epoch), so its cost is set, and the pe
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import time
@@ -36,6 +35,8 @@ from torch import Tensor
 from specdraft.drafters.hybrid import HybridConfig, HybridModel
 from specdraft.errors import SpecdraftError
 from specdraft.model.llama import FINAL
+from specdraft.train.data import manifest_sha256, read_features
+from specdraft.train.state import fingerprint_of, load_state, save_state, state_path
 
 
 @dataclass
@@ -77,37 +78,6 @@ class Corpus:
     offsets: list[int]  # first row of each sequence in the flat feature tensors
     feats: Tensor  # [rows, n_layers * H] fp16, the drafter's input features
     final: Tensor | None  # [rows, H] fp16 final features (regression targets) or None
-
-
-def read_features(feat_dir: str | Path, shard_files: list[str], layers: tuple[int, ...]) -> Tensor:
-    """The cached fp16 features [rows, len(layers) * H] of the given data shards: per shard file
-    ``features_XXXXX.safetensors`` with one key ``layer_L`` per layer, rows = every token of every
-    sequence in shard order; the layers side by side."""
-    from safetensors import safe_open
-
-    parts = []
-    for name in shard_files:
-        path = Path(feat_dir) / name.replace("shard_", "features_")
-        if not path.is_file():
-            raise SpecdraftError(f"feature shard {path} is missing: run `specdraft data features --data DATA "
-                                 f"--layers {','.join(map(str, layers))} --out {feat_dir}` first")
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                keys = set(f.keys())
-                miss = [x for x in layers if f"layer_{x}" not in keys]
-                if miss:
-                    raise SpecdraftError(f"{path} has no features of layer {miss[0]} (has {', '.join(sorted(keys))})")
-                cols = [f.get_tensor(f"layer_{x}") for x in layers]
-        except SpecdraftError:
-            raise
-        except Exception as e:  # safetensors raises its own error types for a damaged file
-            raise SpecdraftError(f"corrupt feature shard {path}: {e}") from None
-        parts.append(torch.cat(cols, 1) if len(cols) > 1 else cols[0])
-    return torch.cat(parts)
-
-
-def manifest_sha256(manifest: dict) -> str:
-    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
 
 
 def load_corpus(data_dir: str | Path, feat_dir: str | Path, layers: tuple[int, ...], need_final: bool,
@@ -328,42 +298,6 @@ def losses(model: HybridModel, batch: Batch, t2d: Tensor, cfg: TrainConfig) -> t
 # ---------------------------------------------------------------------------- resumable state
 
 
-def state_path(out: Path) -> Path:
-    return out.with_name(out.name + ".resume.safetensors")
-
-
-def save_state(path: Path, model: HybridModel, opt: torch.optim.Optimizer, meta: dict) -> None:
-    """Weights, optimizer moments and ``meta`` (JSON) in one safetensors file, written atomically."""
-    from safetensors.torch import save_file
-
-    sd = opt.state_dict()
-    tensors = {f"model.{k}": v.detach().clone().contiguous() for k, v in model.state_dict().items()}
-    for pid, st in sd["state"].items():
-        for name, value in st.items():
-            tensors[f"opt.{pid}.{name}"] = torch.as_tensor(value).clone()
-    meta = {**meta, "param_groups": sd["param_groups"]}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"meta": json.dumps(meta)})
-    tmp.replace(path)
-
-
-def load_state(path: Path, model: HybridModel, opt: torch.optim.Optimizer) -> dict:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        meta = json.loads(f.metadata()["meta"])
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
-    state: dict[int, dict] = {}
-    for k, v in tensors.items():
-        if k.startswith("opt."):
-            _, pid, name = k.split(".", 2)
-            state.setdefault(int(pid), {})[name] = v
-    opt.load_state_dict({"state": state, "param_groups": meta.pop("param_groups")})
-    return meta
-
-
 # ---------------------------------------------------------------------------- training
 
 
@@ -424,7 +358,7 @@ def train_hybrid(target, data_dir: str | Path, feat_dir: str | Path, out: str | 
     start_epoch, history = 0, []
     if spath.is_file():
         try:
-            meta = load_state(spath, model, opt) if _fingerprint_of(spath) == fingerprint else None
+            meta = load_state(spath, model, opt) if fingerprint_of(spath) == fingerprint else None
         except Exception as e:  # a torn or foreign state file: start over rather than fail
             log(f"ignoring {spath}: {e}")
             meta = None
@@ -500,10 +434,3 @@ def train_hybrid(target, data_dir: str | Path, feat_dir: str | Path, out: str | 
     spath.unlink(missing_ok=True)
     log(f"wrote {out}")
     return manifest
-
-
-def _fingerprint_of(path: Path) -> dict | None:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        return json.loads((f.metadata() or {}).get("meta", "{}")).get("fingerprint")

@@ -16,7 +16,6 @@ of the continuation; positions without one are masked out of the loss.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import time
@@ -28,6 +27,8 @@ import torch
 from torch import Tensor, nn
 
 from specdraft.errors import SpecdraftError
+from specdraft.train.data import manifest_sha256
+from specdraft.train.state import fingerprint_of, load_state, save_state, state_path
 
 FEATURE_LAYER = -1  # the final (normed) hidden state
 
@@ -263,23 +264,23 @@ def build_examples(seqs, pvocab: PhraseVocab, special: set[int]) -> PhraseExampl
 
 def load_feature_rows(feat_dir: str | Path, data_manifest: dict, layer: int = FEATURE_LAYER) -> Tensor:
     """The cached fp16 features of ``layer`` for every token of every shard, concatenated."""
-    from safetensors import safe_open
+    from specdraft.train.data import read_features
 
-    parts = []
-    for s in data_manifest["shards"]:
-        path = Path(feat_dir) / s["file"].replace("shard_", "features_")
-        if not path.is_file():
-            raise SpecdraftError(f"feature shard {path} is missing: run `specdraft data features --layers {layer}` first")
-        with safe_open(str(path), framework="pt") as f:
-            key = f"layer_{layer}"
-            if key not in f.keys():
-                raise SpecdraftError(f"{path} has no features of layer {layer} (has {', '.join(f.keys())})")
-            parts.append(f.get_tensor(key))
-    return torch.cat(parts)
+    return read_features(feat_dir, [s["file"] for s in data_manifest["shards"]], (layer,))
 
 
-def manifest_hash(manifest: dict) -> str:
-    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+def held_out(n_seq: int, seed: int, share: float) -> list[int]:
+    """Indices of the sequences held out for validation (the same split for training and profiling)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randperm(n_seq, generator=g)[: max(1, int(n_seq * share))].tolist()
+
+
+def seq_offsets(seqs) -> list[int]:
+    """Row of each sequence's first token in the concatenated feature rows (and the total at the end)."""
+    offsets = [0]
+    for sq in seqs:
+        offsets.append(offsets[-1] + len(sq.tokens))
+    return offsets
 
 
 # ---------------------------------------------------------------------------- training
@@ -298,14 +299,9 @@ class TrainConfig:
     use_root_embedding: bool = True
 
 
-def _state_path(out: Path) -> Path:
-    return out.with_name(out.name + ".resume.safetensors")
-
-
 def train_phrase(target, data_dir: str | Path, feat_dir: str | Path, out: str | Path, cfg: TrainConfig,
                  quiet: bool = False, log=print) -> dict:
     """Mine the vocabulary, train the head, write ``out`` (safetensors + manifest).  Resumable."""
-    from safetensors.torch import load_file, save_file
     from tqdm import tqdm
 
     from specdraft.checkpoint import save_checkpoint
@@ -329,9 +325,8 @@ def train_phrase(target, data_dir: str | Path, feat_dir: str | Path, out: str | 
         raise SpecdraftError(f"features in {feat_dir} do not match the data in {data_dir}: recompute them")
     embed = target.model.embed.weight.detach().float().cpu()
 
-    g = torch.Generator().manual_seed(cfg.seed)
     n_seq = len(seqs)
-    held = torch.randperm(n_seq, generator=g)[: max(1, int(n_seq * cfg.holdout))]
+    held = held_out(n_seq, cfg.seed, cfg.holdout)
     is_held = torch.zeros(n_seq, dtype=torch.bool)
     is_held[held] = True
     val = is_held[ex.seq]
@@ -351,23 +346,17 @@ def train_phrase(target, data_dir: str | Path, feat_dir: str | Path, out: str | 
         for grp in opt.param_groups:
             grp["lr"] = cfg.lr * f
 
-    state_path = _state_path(out)
-    fingerprint = {"config": asdict(cfg), "data": manifest_hash(data_manifest), "target": target.weight_hash}
+    spath = state_path(out)
+    fingerprint = json.loads(json.dumps({"config": asdict(cfg), "data": manifest_sha256(data_manifest),
+                                         "target": target.weight_hash}))
     start_epoch, history = 0, []
-    if state_path.is_file():
-        st = load_file(str(state_path))
-        meta = json.loads(bytes(st.pop("__meta__").tolist()).decode())
-        if meta["fingerprint"] == fingerprint:
-            head.load_state_dict({k[6:]: v for k, v in st.items() if k.startswith("model.")})
-            opt_state = opt.state_dict()
-            for i, p in enumerate(head.parameters()):
-                opt.state[p] = {"step": st[f"opt.{i}.step"], "exp_avg": st[f"opt.{i}.exp_avg"],
-                                "exp_avg_sq": st[f"opt.{i}.exp_avg_sq"]}
-            del opt_state
+    if spath.is_file():
+        if fingerprint_of(spath) == fingerprint:
+            meta = load_state(spath, head, opt)
             start_epoch, history = meta["epoch"], meta["history"]
-            log(f"resuming from {state_path} after epoch {start_epoch}")
+            log(f"resuming from {spath} after epoch {start_epoch}")
         else:
-            log(f"ignoring {state_path}: it belongs to another run configuration")
+            log(f"ignoring {spath}: it belongs to another run configuration")
 
     def batch(idx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         h = feats[ex.feat_index[idx]].float()
@@ -412,20 +401,7 @@ def train_phrase(target, data_dir: str | Path, feat_dir: str | Path, out: str | 
         history.append(ev)
         log(f"epoch {epoch + 1}: train loss {run_loss:.3f}, val loss {ev['val_loss']:.3f}, "
             f"top-1 {ev['val_top1']:.1%}, top-8 {ev['val_top8']:.1%}")
-        # resumable state after every epoch
-        st = {f"model.{k}": v.detach().clone() for k, v in head.state_dict().items()}
-        for i, p in enumerate(head.parameters()):
-            s = opt.state[p]
-            st[f"opt.{i}.step"] = torch.as_tensor(s["step"]).clone()
-            st[f"opt.{i}.exp_avg"] = s["exp_avg"].clone()
-            st[f"opt.{i}.exp_avg_sq"] = s["exp_avg_sq"].clone()
-        st["__meta__"] = torch.tensor(list(json.dumps({"fingerprint": fingerprint, "epoch": epoch + 1,
-                                                                "history": history}).encode()),
-                                      dtype=torch.uint8)
-        state_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = state_path.with_name(state_path.name + ".tmp")
-        save_file(st, str(tmp))
-        tmp.replace(state_path)
+        save_state(spath, head, opt, {"fingerprint": fingerprint, "epoch": epoch + 1, "history": history})
 
     manifest = {
         "kind": "phrase",
@@ -436,24 +412,21 @@ def train_phrase(target, data_dir: str | Path, feat_dir: str | Path, out: str | 
         "feature_layer": FEATURE_LAYER,
         "vocab": pvocab.to_json(),
         "coverage": {"labelled_positions": len(ex.label), "response_positions": ex.positions, "share": cover},
-        "data": {"dir": str(data_dir), "manifest_sha256": manifest_hash(data_manifest),
+        "data": {"dir": str(data_dir), "manifest_sha256": manifest_sha256(data_manifest),
                  "sequences": len(seqs), "response_tokens": data_manifest["response_tokens"]},
         "history": history,
         "params": head.n_params(),
         "target_params": n_target,
         "train_wall_s": time.perf_counter() - t_train,
     }
-    held_seqs = [i for i in held.tolist()]
-    offsets = [0]
-    for sq in seqs:
-        offsets.append(offsets[-1] + len(sq.tokens))
+    offsets = seq_offsets(seqs)
     head16 = PhraseHead(head.cfg)
     head16.load_state_dict({k: v.to(torch.float16).float() for k, v in head.state_dict().items()})
-    manifest["acceptance_by_budget"] = acceptance_profile(head16, pvocab, target, [seqs[i] for i in held_seqs],
-                                                          [feats[offsets[i] : offsets[i + 1]] for i in held_seqs])
+    manifest["acceptance_by_budget"] = acceptance_profile(head16, pvocab, target, [seqs[i] for i in held],
+                                                          [feats[offsets[i] : offsets[i + 1]] for i in held])
     log(f"held-out tokens per pass by budget (offline replay, with prompt lookup): {manifest['acceptance_by_budget']}")
     save_checkpoint(out, {k: v.to(torch.float16) for k, v in head.state_dict().items()}, manifest)
-    state_path.unlink(missing_ok=True)
+    spath.unlink(missing_ok=True)
     log(f"wrote {out}")
     return manifest
 
@@ -493,11 +466,8 @@ def add_acceptance_profile(target, checkpoint: str | Path, data_dir: str | Path,
     seqs = load_sequences(data_dir)
     feats = load_feature_rows(feat_dir, read_manifest(Path(data_dir)))
     cfg = manifest["train"]
-    g = torch.Generator().manual_seed(cfg["seed"])
-    held = torch.randperm(len(seqs), generator=g)[: max(1, int(len(seqs) * cfg["holdout"]))].tolist()
-    offsets = [0]
-    for sq in seqs:
-        offsets.append(offsets[-1] + len(sq.tokens))
+    held = held_out(len(seqs), cfg["seed"], cfg["holdout"])
+    offsets = seq_offsets(seqs)
     head = PhraseHead(PhraseHeadConfig(**manifest["head"]))
     head.load_state_dict({k: v.float() for k, v in tensors.items()})
     manifest["acceptance_by_budget"] = acceptance_profile(head, PhraseVocab.from_json(manifest["vocab"]), target,

@@ -138,6 +138,19 @@ def build_parser() -> argparse.ArgumentParser:
     aa.add_argument("--out", default="bench_out")
     aa.add_argument("--quiet", action="store_true")
     _add_target_args(aa)
+    ac = asub.add_parser("chimeras", help="share of a product-ranked tree stitched from different target futures")
+    ac.add_argument("--drafter", required=True, help="a drafter with per-position distributions (block, mfd or a checkpoint)")
+    ac.add_argument("--dataset", action="append", default=[], help="mtbench, humaneval, gsm or a .jsonl file (repeatable)")
+    ac.add_argument("--n", type=int, default=20, help="prompts per dataset")
+    ac.add_argument("--max-new-tokens", type=int, default=256, help="greedy output length the contexts come from")
+    ac.add_argument("--budget", type=int, default=64, help="drafted nodes per tree")
+    ac.add_argument("--contexts-per-prompt", type=int, default=8)
+    ac.add_argument("--samples", type=int, default=16, help="futures sampled at temperature 1 per context (+ the greedy one)")
+    ac.add_argument("--top-k", type=int, default=16, help="candidates per draft position")
+    ac.add_argument("--seed", type=int, default=0)
+    ac.add_argument("--out", default="bench_out")
+    ac.add_argument("--quiet", action="store_true")
+    _add_target_args(ac)
     return parser
 
 
@@ -396,6 +409,20 @@ def cmd_analyze(args) -> None:
             for d, tpp in per.items():
                 print(f"| {ds} | {d} | " + " | ".join(f"{tpp[b]:.2f}" for b in budgets) + " |")
         print(f"wrote {Path(args.out) / 'acceptance.json'}", file=sys.stderr)
+    elif args.analyze_command == "chimeras":
+        from specdraft.bench.chimeras import ChimeraConfig, chimera_report, format_summary
+
+        cfg = ChimeraConfig(budget=args.budget, contexts_per_prompt=args.contexts_per_prompt, samples=args.samples,
+                            top_k=args.top_k, seed=args.seed)
+        if not args.dataset:
+            raise SpecdraftError("give at least one --dataset")
+        if args.n < 1 or args.max_new_tokens < 1:
+            raise SpecdraftError("--n and --max-new-tokens must be >= 1")
+        target = Target.load(args.target, device=args.device, dtype=args.dtype)
+        res = chimera_report(target, args.drafter, args.dataset, args.n, args.max_new_tokens, cfg, args.out,
+                             quiet=args.quiet)
+        print(format_summary(res))
+        print(f"wrote {Path(args.out) / 'chimeras.json'}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdraft.bench.chimeras import (ChimeraConfig, Tally, chimera_report, chimera_stats, classify, context_steps,
-                                      continuations)
+from specdraft.bench.chimeras import (ChimeraConfig, Tally, analyze_prompt, chimera_report, chimera_stats, classify,
+                                      context_steps, continuations)
 from specdraft.bench.simulate import greedy_outputs
 from specdraft.errors import SpecdraftError
 from specdraft.model.llama import causal_mask
@@ -70,7 +70,7 @@ def test_greedy_continuations_match_greedy_output(tiny_llama):
 
 class FakeBlock:
     """A block drafter stand-in that knows the greedy outputs: mode 0 puts the true next D tokens
-    first (q = 0.6), the other modes are random; proposes the 3 true next tokens as a chain."""
+    first (q = 0.6), the other modes are random; checks that it is reset and committed along the output."""
 
     name = "fake-block"
     hidden_layers = (1,)
@@ -133,6 +133,10 @@ def test_chimera_stats_with_a_fake_block_drafter(tiny_llama, modes):
         assert t["node_share"]["coherent"] > 0  # the greedy path is drafted first and is a future
         assert 0 < t["mass_per_tree"] < 12
     assert r["product"]["by_depth"][1]["chimera"] == 0  # one token cannot be stitched
+    ctx = analyze_prompt(target, drafter, prompts[0], outputs[0], cfg, torch.Generator().manual_seed(0))
+    assert [c["n"] for c in ctx] == context_steps(len(prompts[0]), len(outputs[0]), 3)  # lands on every wanted slot
+    assert all(c["futures"][0] == (prompts[0] + outputs[0])[c["n"] + 1 : c["n"] + 5] or 1 in c["futures"][0]
+               for c in ctx)  # the greedy future comes first
     again = chimera_stats(target, FakeBlock([p + o for p, o in zip(prompts, outputs)], modes=modes), prompts, outputs, cfg)
     assert again == r  # seeded: reproducible
 

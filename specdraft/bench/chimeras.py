@@ -6,10 +6,12 @@ into *chimeras*, "prefixes stitched together from different futures that the tar
 produces", and reports them as 27-33% of a 64-node tree.  This module measures that share for a
 drafter here; the definitions (docs/chimeras.md):
 
-* **Contexts.**  Per prompt, the target's greedy output is replayed as in
-  ``specdraft.bench.simulate`` (the drafter is reset and committed exactly as greedy decoding
-  would); at up to ``contexts_per_prompt`` drafting steps spread evenly along the output, the
-  drafter's ``marginals(top_k)`` are recorded.  The root is the last committed token at slot n.
+* **Contexts.**  Per prompt, ``contexts_per_prompt`` root slots n spread evenly along the
+  target's greedy output.  The drafter is driven along that output with
+  ``specdraft.bench.simulate`` (reset on the prompt, committed with the target's features of
+  every committed token, as greedy decoding commits them), jumping from one analysed slot to the
+  next; there its ``marginals(top_k)`` are recorded.  A block drafter's state depends only on the
+  committed tokens and their features, so it is the state a real run has at slot n.
 * **Futures.**  The target's own continuations of the context, each D tokens long (D = the
   drafter's draft positions, cut after an end-of-sequence token): ``samples`` continuations
   sampled at temperature 1 plus the greedy one (the rest of the greedy output).
@@ -117,10 +119,12 @@ class Context:
 
 
 class _Recorder:
-    """Passes a drafter through a replay, recording its marginals at the wanted steps."""
+    """Drives a drafter along a known sequence: its trees are replaced by the true next tokens up
+    to the next wanted root slot (so the replay lands on every wanted slot), where its marginals
+    are recorded.  Commits are the replay's, i.e. exactly greedy decoding's."""
 
-    def __init__(self, drafter, wanted: list[int], top_k: int) -> None:
-        self.inner, self.wanted, self.top_k = drafter, sorted(wanted), top_k
+    def __init__(self, drafter, full: list[int], wanted: list[int], top_k: int) -> None:
+        self.inner, self.full, self.wanted, self.top_k = drafter, full, sorted(wanted), top_k
         self.name, self.hidden_layers = drafter.name, drafter.hidden_layers
         self.default_budget = drafter.default_budget
         self.records: list[Context] = []
@@ -131,12 +135,14 @@ class _Recorder:
         self.inner.reset(prompt_ids, first_token, prefill)
 
     def propose(self, budget: int) -> Tree:
-        if self.next < len(self.wanted) and self.n >= self.wanted[self.next]:
+        while self.next < len(self.wanted) and self.wanted[self.next] < self.n:
+            self.next += 1  # unreachable (not expected: every jump lands on the next wanted slot)
+        if self.next < len(self.wanted) and self.wanted[self.next] == self.n:
             tokens, logp = self.inner.marginals(self.top_k)
             self.records.append(Context(self.n, self.root, tokens.detach().cpu(), logp.detach().float().cpu()))
-            while self.next < len(self.wanted) and self.wanted[self.next] <= self.n:
-                self.next += 1
-        return self.inner.propose(budget)
+            self.next += 1
+        stop = self.wanted[self.next] if self.next < len(self.wanted) else len(self.full)
+        return Tree.from_paths(self.root, [self.full[self.n + 1 : stop]])  # accepted whole: next root = slot stop
 
     def commit(self, accepted, out) -> None:
         self.n += len(accepted.tokens) + 1
@@ -198,8 +204,8 @@ def analyze_prompt(target, drafter, prompt: list[int], output: list[int], cfg: C
     pos = torch.arange(len(full), device=target.device)[None]
     res = target.model(ids, pos, causal_mask(len(full), 0, target.device), cache, 0,
                        hidden_layers=tuple(drafter.hidden_layers), logits="all")
-    rec = _Recorder(drafter, steps, cfg.top_k)
-    simulate(rec, prompt, output, res.hidden, budget=cfg.budget)  # the drafter's own trees decide its steps
+    rec = _Recorder(drafter, full, steps, cfg.top_k)
+    simulate(rec, prompt, output, res.hidden, budget=len(full))
     out = []
     for ctx in rec.records:
         n_modes, depth, _ = ctx.tokens.shape

@@ -103,6 +103,27 @@ def build_parser() -> argparse.ArgumentParser:
     th.add_argument("--out", required=True, help="checkpoint to write (.safetensors); re-run to resume")
     th.add_argument("--quiet", action="store_true")
     _add_target_args(th)
+    tb = tsub.add_parser("block", help="train a block drafter: DFlash (--modes 1) or Multi-Future Drafting (--modes K)")
+    tb.add_argument("--modes", type=int, default=1, help="K mode embeddings, blocks drafted per pass (default 1)")
+    tb.add_argument("--data", required=True, help="data folder from `specdraft data build`")
+    tb.add_argument("--features", required=True,
+                    help="feature folder from `specdraft data features --layers ...` holding the --layers")
+    tb.add_argument("--layers", default="3,15,27", help="target features fused into the context (default 3,15,27)")
+    tb.add_argument("--block-size", type=int, default=8, help="B: the root plus B-1 drafted positions (default 8)")
+    tb.add_argument("--draft-layers", type=int, default=1, help="drafter decoder layers (default 1)")
+    tb.add_argument("--draft-vocab", type=int, default=8192, help="LM-head rows drafted from (0 = all; default 8192)")
+    tb.add_argument("--epochs", type=int, default=1, help="passes over the training sequences (default 1)")
+    tb.add_argument("--steps", type=int, default=0,
+                    help="optimizer steps in all, overriding --epochs (give K=1 and K>1 runs the same steps)")
+    tb.add_argument("--anchors", type=int, default=12, help="blocks per sequence and step (0 = every position; default 12)")
+    tb.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per batch")
+    tb.add_argument("--lr", type=float, default=6e-4)
+    tb.add_argument("--gamma", type=float, default=4.0, help="depth j weighs exp(-(j-1)/gamma) in the loss (default 4)")
+    tb.add_argument("--shards", type=int, default=0, help="train on the first N data shards only (default all)")
+    tb.add_argument("--seed", type=int, default=0)
+    tb.add_argument("--out", required=True, help="checkpoint to write (.safetensors); re-run to resume")
+    tb.add_argument("--quiet", action="store_true")
+    _add_target_args(tb)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat/completions, completions, models, health)")
     _add_target_args(sv)
@@ -338,6 +359,33 @@ def cmd_train(args) -> None:
         target = Target.load(args.target, device=args.device, dtype=args.dtype)
         log = (lambda *a, **k: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
         train_hybrid(target, args.data, args.features, args.out, cfg, quiet=args.quiet, log=log)
+    elif args.train_command == "block":
+        from specdraft.train.block import TrainConfig as BlockTrainConfig
+        from specdraft.train.block import train_block
+        from specdraft.train.data import read_manifest
+
+        for name in ("modes", "epochs", "batch_tokens", "draft_layers"):
+            if getattr(args, name) < 1:
+                raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 1")
+        for name in ("steps", "anchors", "draft_vocab", "shards"):
+            if getattr(args, name) < 0:
+                raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 0")
+        if args.block_size < 2 or args.gamma <= 0:
+            raise SpecdraftError("--block-size must be >= 2 and --gamma > 0")
+        if not str(args.out).endswith(".safetensors"):
+            raise SpecdraftError("--out must be a .safetensors file")
+        try:
+            layers = tuple(int(x) for x in args.layers.split(","))
+        except ValueError:
+            raise SpecdraftError(f"--layers must be comma-separated integers (got {args.layers!r})") from None
+        cfg = BlockTrainConfig(modes=args.modes, draft_layers=args.draft_layers, block_size=args.block_size,
+                               feature_layers=layers, draft_vocab=args.draft_vocab, epochs=args.epochs, steps=args.steps,
+                               anchors=args.anchors, batch_tokens=args.batch_tokens, lr=args.lr, gamma=args.gamma,
+                               shards=args.shards, seed=args.seed)
+        read_manifest(Path(args.data))  # a clear error for a folder that is not a data build
+        target = Target.load(args.target, device=args.device, dtype=args.dtype)
+        log = (lambda *a, **k: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+        train_block(target, args.data, args.features, args.out, cfg, quiet=args.quiet, log=log)
 
 
 def _engine_parts(args):

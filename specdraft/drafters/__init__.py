@@ -13,8 +13,9 @@ from specdraft.drafters.base import Drafter, NoDrafter
 from specdraft.drafters.ngram import NgramConfig, NgramDrafter
 from specdraft.errors import SpecdraftError
 
-DRAFTERS = ("none", "ngram", "phrase", "gumiho", "medusa", "eagle")
+DRAFTERS = ("none", "ngram", "phrase", "gumiho", "medusa", "eagle", "block", "mfd")
 HYBRID = ("gumiho", "medusa", "eagle", "hybrid")  # trained hybrid drafters (checkpoint kind "hybrid")
+BLOCK = ("block", "mfd")  # block drafters, single- and multi-mode (checkpoint kind "block")
 
 
 def _checkpoint_kind(path: Path) -> str:
@@ -48,7 +49,9 @@ def make_drafter(name: str, target=None, budget: int | None = None) -> Drafter:
 
     Options after ``@`` tune a drafter: ``phrase@ngram=0`` (no prompt-lookup candidates in the
     tree), ``phrase@top_n=4`` (entries expanded per step), ``gumiho@topk=4,beams=2,bf16=1``
-    (children scored per node, nodes expanded per depth, bfloat16 drafting; also ``medusa``, ``eagle``).
+    (children scored per node, nodes expanded per depth, bfloat16 drafting; also ``medusa``, ``eagle``),
+    ``block@tree=linear|ddtree|mixture,topk=16,bf16=0`` (tree shape, candidates per depth, bfloat16 drafting;
+    also ``mfd``).
     """
     name, opts = parse_spec(name)
     path = None
@@ -57,7 +60,8 @@ def make_drafter(name: str, target=None, budget: int | None = None) -> Drafter:
         if not path.is_file():
             raise SpecdraftError(f"drafter checkpoint {path} not found")
         name = _checkpoint_kind(path)
-    allowed = {"phrase": {"ngram", "top_n"}, **dict.fromkeys(HYBRID, {"topk", "beams", "bf16"})}.get(name, set())
+    allowed = {"phrase": {"ngram", "top_n"}, **dict.fromkeys(HYBRID, {"topk", "beams", "bf16"}),
+               **dict.fromkeys(BLOCK, {"tree", "topk", "bf16"})}.get(name, set())
     bad = sorted(set(opts) - allowed)
     if bad:
         raise SpecdraftError(f"drafter {name!r} has no option {bad[0]!r}" + (f" (options: {', '.join(sorted(allowed))})" if allowed else ""))
@@ -89,4 +93,8 @@ def make_drafter(name: str, target=None, budget: int | None = None) -> Drafter:
         from specdraft.drafters.hybrid import load_hybrid
 
         return load_hybrid(target, name, path, budget=budget, opts=opts)
+    if name in BLOCK:
+        from specdraft.drafters.block import load_block
+
+        return load_block(target, name, path, budget=budget, opts=opts)
     raise SpecdraftError(f"unknown drafter {name!r} (available: {', '.join(DRAFTERS)}, or a checkpoint path)")

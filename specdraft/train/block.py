@@ -1,0 +1,375 @@
+"""Training the block drafter (DFlash, arXiv 2602.06036) and its multi-mode version (Multi-Future
+Drafting, arXiv 2611.13017).
+
+Data: the target's own greedy responses (``specdraft data build``) and its cached features
+(``specdraft data features --layers 3,15,27,-1``).  An *anchor* is a root position a inside a
+response (x_{a+1} is a response token): the block [x_a, MASK x (B-1)] at positions a .. a+B-1 sees
+the context f_0 .. f_{a-1} and drafts x_{a+1} .. x_{a+B-1}.
+
+One pass per batch of whole sequences holds many blocks per sequence (DFlash): ``anchors`` roots
+per sequence, each drafted by all K modes, Q = A*K*B query rows after the sequence's context
+keys, under a block mask: the rows of block (a, k) see context keys < a and their own block's
+keys only, so the pass equals running every block on its own.
+
+Loss of one block and mode: L_{a,k} = sum_j w_j CE_{a,k,j} over the labelled depths j, with
+w_j = exp(-(j-1)/gamma).  Winner-take-all over modes (MFD): each block trains its winning mode,
+k* = argmin_k (L_{a,k}/W_a + beta log(K s_k)), where W_a = sum_j w_j and s_k is a running
+average of mode k's win share (a balancing nudge against one mode taking every block), and a
+small share lambda of the loss goes to every mode so none is left untrained (against collapse):
+  loss = sum_a [(1 - lambda) L_{a,k*} + lambda mean_k L_{a,k}] / sum_a W_a.
+With K = 1 this is exactly the weighted cross-entropy of the single-mode drafter.  Labels outside
+the draft vocabulary are masked.  The anchors of every batch are fixed by (seed, epoch, batch),
+and the state (weights, optimizer, step, history, win shares) is saved every ``save_every``
+steps and after every epoch, so an interrupted run resumes to the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from specdraft.drafters.block import BlockConfig, BlockModel
+from specdraft.errors import SpecdraftError
+from specdraft.train.data import manifest_sha256
+from specdraft.train.hybrid import Batch, Corpus, draft_vocabulary, load_corpus, make_batch, plan_epoch, token_at
+from specdraft.train.phrase import held_out
+from specdraft.train.state import fingerprint_of, load_state, save_state, state_path
+
+
+@dataclass
+class TrainConfig:
+    modes: int = 1  # K: mode embeddings (1 = single-mode DFlash)
+    draft_layers: int = 1  # drafter decoder layers
+    block_size: int = 8  # B: root + B-1 drafted positions
+    feature_layers: tuple[int, ...] = (3, 15, 27)  # target features fused into the context
+    draft_vocab: int = 8192  # LM-head rows drafted from (0 = the full vocabulary)
+    epochs: int = 1  # passes over the training sequences (ignored when ``steps`` is set)
+    steps: int = 0  # optimizer steps in all (0 = ``epochs`` full epochs); same steps = same data for any K
+    anchors: int = 12  # blocks per sequence and batch (0 = every response position); the defaults fit a
+    # K=4 run on data/smollm2 (237 steps) in ~12-13 min on the 2-core CPU
+    batch_tokens: int = 4096  # padded tokens per batch (whole sequences)
+    lr: float = 6e-4
+    weight_decay: float = 0.01
+    warmup: float = 0.04  # share of the steps with linear warm-up, then cosine to zero
+    gamma: float = 4.0  # depth weight w_j = exp(-(j-1)/gamma)
+    wta_mean: float = 0.1  # lambda: share of the loss given to every mode's mean (K > 1)
+    balance: float = 0.1  # beta: win-share penalty when assigning the winning mode (K > 1)
+    holdout: float = 0.05  # share of sequences held out for validation
+    shards: int = 0  # use the first N data shards only (0 = all)
+    save_every: int = 100  # steps between resume-state saves inside an epoch
+    bf16: bool = True  # bfloat16 autocast for the matmuls (fp32 weights, optimizer and loss)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.feature_layers = tuple(int(x) for x in self.feature_layers)
+
+    def model_config(self, tcfg) -> BlockConfig:
+        return BlockConfig.for_target(tcfg, layers=self.draft_layers, block_size=self.block_size,
+                                      feature_layers=self.feature_layers, modes=self.modes,
+                                      draft_vocab=self.draft_vocab)
+
+
+# ---------------------------------------------------------------------------- forward and loss
+
+
+def block_states(model: BlockModel, batch: Batch) -> Tensor:
+    """Final-normed drafter states of every anchor's blocks in one pass: [Bs, A, K, D, H], row j-1
+    scoring x_{a+j}.  ``batch.anchors`` holds a-1 (the position of the last context feature, as in
+    ``specdraft.train.hybrid``), so the root x_a is ``token_at(batch, 1)``."""
+    cfg = model.cfg
+    kk, bb = cfg.modes, cfg.block_size
+    root_pos = batch.anchors + 1  # [Bs, A]
+    bs, a = root_pos.shape
+    dev = root_pos.device
+    t = max(1, int(root_pos.max()))  # context keys at or after the last root are never visible
+    c = model.context(batch.feats[:, :t])  # [Bs, t, H]
+    ctx = model.context_kv(c, torch.arange(t, device=dev)[None].expand(bs, -1))
+    root, _ = token_at(batch, 1)
+    x = model.block_inputs(root)  # [Bs, A, K, B, H]
+    pos = (root_pos[:, :, None, None] + torch.arange(bb, device=dev)).expand(bs, a, kk, bb)
+    q = a * kk * bb
+    sees = torch.arange(t, device=dev) < root_pos[:, :, None, None, None]  # [Bs, A, 1, 1, t]
+    sees = sees.expand(bs, a, kk, bb, t).reshape(bs, q, t)
+    blk = torch.arange(q, device=dev) // bb
+    own = (blk[:, None] == blk[None]).expand(bs, q, q)  # block-diagonal: each block sees itself only
+    mask = torch.cat([sees, own], -1)[:, None]  # [Bs, 1, Q, t + Q]
+    h = model.run_blocks(x.reshape(bs, q, -1), pos.reshape(bs, q), mask, ctx)
+    return h.view(bs, a, kk, bb, -1)[:, :, :, 1:]
+
+
+@dataclass
+class BlockOut:
+    logits: Tensor  # [N, K, D, V'] of the N blocks with at least one label
+    ce: Tensor  # [N, K, D] cross-entropy, 0 where unlabelled
+    labels: Tensor  # [N, D] draft-vocabulary ids (-100 = none)
+    ok: Tensor  # [N, D] labelled depths
+
+
+def forward_blocks(model: BlockModel, batch: Batch, t2d: Tensor) -> BlockOut:
+    """Logits and per-depth cross-entropy of every labelled block of ``batch``."""
+    h = block_states(model, batch)
+    d = model.cfg.depth
+    labs, oks = zip(*(token_at(batch, 1 + j) for j in range(1, d + 1)))
+    lab = t2d[torch.stack(labs, -1)]  # [Bs, A, D]
+    ok = torch.stack(oks, -1) & (lab >= 0)
+    keep = batch.anchor_ok & ok.any(-1)
+    h, lab, ok = h[keep], lab[keep], ok[keep]  # [N, K, D, H], [N, D], [N, D]
+    logits = model.logits(h).float()
+    n, k = logits.shape[:2]
+    tgt = lab.clamp(min=0)[:, None].expand(n, k, d)
+    ce = F.cross_entropy(logits.flatten(0, 2), tgt.flatten(), reduction="none").view(n, k, d) * ok[:, None]
+    return BlockOut(logits, ce, lab, ok)
+
+
+def depth_weights(depth: int, gamma: float, device=None) -> Tensor:
+    """w_j = exp(-(j-1)/gamma), j = 1 .. D."""
+    return torch.exp(-torch.arange(depth, dtype=torch.float32, device=device) / gamma)
+
+
+def wta_loss(out: BlockOut, w: Tensor, shares: Tensor, cfg: TrainConfig) -> tuple[Tensor, Tensor]:
+    """The winner-take-all loss (module docstring) and each block's winning mode [N]."""
+    s = (out.ce * w).sum(-1)  # [N, K]
+    ws = (out.ok * w).sum(-1)  # [N]
+    k = s.shape[1]
+    score = s.detach() / ws[:, None] + cfg.balance * torch.log(k * shares.clamp(min=1e-3))
+    win = score.argmin(1)
+    per_block = (1 - cfg.wta_mean) * s.gather(1, win[:, None])[:, 0] + cfg.wta_mean * s.mean(1)
+    return per_block.sum() / ws.sum(), win
+
+
+@dataclass
+class EvalStats:
+    """Held-out statistics: per depth, top-1 of the best mode (the block's lowest loss, an oracle)
+    and of the product marginal (the modes' average probability), and the mean accepted length
+    of their argmax chains."""
+
+    depth: int
+    modes: int
+    n: list[int] = field(default_factory=list)  # labelled blocks per depth
+    best: list[int] = field(default_factory=list)  # best-mode top-1 hits per depth
+    marginal: list[int] = field(default_factory=list)  # product-marginal top-1 hits per depth
+    ce: list[float] = field(default_factory=list)  # best-mode cross-entropy summed per depth
+    chain_best: float = 0.0  # summed accepted length of the best mode's argmax chain
+    chain_marginal: float = 0.0
+    blocks: int = 0
+    wins: list[int] = field(default_factory=list)  # blocks per best mode
+
+    def __post_init__(self) -> None:
+        for name in ("n", "best", "marginal", "ce"):
+            setattr(self, name, [0] * self.depth)
+        self.wins = [0] * self.modes
+
+    def add(self, out: BlockOut, w: Tensor) -> None:
+        best = ((out.ce * w).sum(-1)).argmin(1)  # [N]
+        rows = torch.arange(len(best), device=best.device)
+        lp = torch.log_softmax(out.logits, -1)  # [N, K, D, V']
+        hit_best = (lp[rows, best].argmax(-1) == out.labels) & out.ok  # [N, D]
+        hit_marg = (torch.logsumexp(lp, 1).argmax(-1) == out.labels) & out.ok
+        for j in range(self.depth):
+            self.n[j] += int(out.ok[:, j].sum())
+            self.best[j] += int(hit_best[:, j].sum())
+            self.marginal[j] += int(hit_marg[:, j].sum())
+            self.ce[j] += float(out.ce[rows, best, j].sum())
+        self.chain_best += float(hit_best.int().cumprod(1).sum())
+        self.chain_marginal += float(hit_marg.int().cumprod(1).sum())
+        self.blocks += len(best)
+        for k, c in enumerate(torch.bincount(best, minlength=self.modes).tolist()):
+            self.wins[k] += c
+
+    def summary(self) -> dict:
+        div = lambda xs: [x / n if n else 0.0 for x, n in zip(xs, self.n)]  # noqa: E731
+        b = max(1, self.blocks)
+        return {"top1_best": div(self.best), "top1_marginal": div(self.marginal), "ce_best": div(self.ce),
+                "chain_best": self.chain_best / b, "chain_marginal": self.chain_marginal / b,
+                "best_share": [x / b for x in self.wins]}
+
+
+# ---------------------------------------------------------------------------- training
+
+
+def schedule(corpus: Corpus, train_ids: list[int], cfg: TrainConfig) -> list[tuple[int, int, list[int]]]:
+    """(epoch, batch index, sequence ids) of every optimizer step: whole epochs, or epochs cut at
+    ``steps``."""
+    out: list[tuple[int, int, list[int]]] = []
+    epoch = 0
+    while True:
+        plan = plan_epoch(corpus, train_ids, cfg.batch_tokens, torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
+        out += [(epoch, i, ids) for i, ids in enumerate(plan)]
+        epoch += 1
+        if (len(out) >= cfg.steps) if cfg.steps else (epoch >= cfg.epochs):
+            return out[: cfg.steps] if cfg.steps else out
+
+
+def batch_generator(cfg: TrainConfig, epoch: int, index: int) -> torch.Generator:
+    """The anchors of a batch depend on (seed, epoch, batch) only, so a resumed run draws the same."""
+    return torch.Generator().manual_seed((cfg.seed * 1_000_003 + epoch) * 1_000_003 + index)
+
+
+def train_block(target, data_dir: str | Path, feat_dir: str | Path, out: str | Path, cfg: TrainConfig,
+                quiet: bool = False, log=print) -> dict:
+    """Train a block drafter (K = ``cfg.modes``) for ``target`` and write ``out`` (safetensors +
+    manifest).  Re-running the same command after an interruption resumes from the last save."""
+    from tqdm import tqdm
+
+    from specdraft.checkpoint import save_checkpoint
+
+    out = Path(out)
+    dev = target.device
+    tcfg = target.config
+    mcfg = cfg.model_config(tcfg)
+    bad = [x for x in cfg.feature_layers if not -1 <= x <= tcfg.num_layers]
+    if bad:
+        raise SpecdraftError(f"feature layer {bad[0]} does not exist (the target has {tcfg.num_layers} layers; -1 = final)")
+    corpus, data_manifest = load_corpus(data_dir, feat_dir, cfg.feature_layers, need_final=False, shards=cfg.shards)
+    if data_manifest["target_hash"] != target.weight_hash:
+        raise SpecdraftError(f"{data_dir} was generated by target {data_manifest['target_name']!r}, not the loaded target")
+    n_seq = len(corpus.tokens)
+    if n_seq < 2:
+        raise SpecdraftError(f"{data_dir} holds {n_seq} sequence(s); training needs at least 2 (one held out)")
+    val_ids = sorted(held_out(n_seq, cfg.seed, cfg.holdout))
+    held = set(val_ids)
+    train_ids = [k for k in range(n_seq) if k not in held]
+    vocab_ids = draft_vocabulary(corpus, train_ids, cfg.draft_vocab, tcfg.vocab_size, target.eos_ids)
+    t2d = torch.full((tcfg.vocab_size,), -100, dtype=torch.long)
+    t2d[vocab_ids] = torch.arange(len(vocab_ids))
+    t2d = t2d.to(dev)
+    resp = [t for k in train_ids for t in corpus.tokens[k][corpus.prompt_len[k]:]]
+    covered = float((t2d[torch.tensor(resp, device=dev)] >= 0).float().mean()) if resp else 0.0
+
+    torch.manual_seed(cfg.seed)
+    tm = target.model
+    model = BlockModel(mcfg, tm.embed.weight.float(), tm.lm_head.weight.float(), vocab_ids.to(dev)).to(dev).train()
+    n_target = sum(p.numel() for p in tm.parameters())
+    name = "mfd" if cfg.modes > 1 else "block"
+    log(f"{name} drafter (K={cfg.modes}, B={cfg.block_size}, {cfg.draft_layers} layer(s)): {model.n_params():,} "
+        f"trainable parameters ({model.n_params() / n_target:.1%} of the target); draft vocabulary {len(vocab_ids)} "
+        f"tokens covering {covered:.2%} of training response tokens; {len(train_ids)} training / {len(val_ids)} "
+        f"held-out sequences")
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+                            lr=cfg.lr)
+    steps = schedule(corpus, train_ids, cfg)
+    total = len(steps)
+    warm = max(1, int(cfg.warmup * total))
+    w = depth_weights(mcfg.depth, cfg.gamma, dev)
+
+    def set_lr(step: int) -> None:  # linear warm-up, then cosine to zero
+        f = min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * step / total))
+        for grp in opt.param_groups:
+            grp["lr"] = cfg.lr * f
+
+    spath = state_path(out)
+    fingerprint = json.loads(json.dumps({"config": asdict(cfg), "data": manifest_sha256(data_manifest),
+                                         "target": target.weight_hash}))
+    fresh = {"step": 0, "history": [], "shares": [1.0 / cfg.modes] * cfg.modes, "wins": [0] * cfg.modes,
+             "loss_sum": 0.0, "loss_n": 0}
+    meta = dict(fresh)
+    if spath.is_file():
+        try:
+            got = load_state(spath, model, opt) if fingerprint_of(spath) == fingerprint else None
+        except Exception as e:  # a torn or foreign state file: start over rather than fail
+            log(f"ignoring {spath}: {e}")
+            got = None
+        if got is not None:
+            meta = {k: got[k] for k in fresh}
+            log(f"resuming from {spath} at step {meta['step']} of {total}")
+        else:
+            log(f"ignoring {spath}: it belongs to another run configuration")
+    shares = torch.tensor(meta["shares"], dtype=torch.float32, device=dev)
+
+    def autocast():
+        return torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.bf16)
+
+    @torch.no_grad()
+    def evaluate() -> dict:
+        model.eval()
+        st = EvalStats(mcfg.depth, cfg.modes)
+        gen = torch.Generator().manual_seed(12345)
+        for ids in plan_epoch(corpus, val_ids, cfg.batch_tokens, gen):
+            with autocast():
+                fb = forward_blocks(model, make_batch(corpus, ids, cfg.anchors, gen, dev), t2d)
+            st.add(fb, w)
+        model.train()
+        return st.summary()
+
+    def save() -> None:
+        save_state(spath, model, opt, {"fingerprint": fingerprint, **meta, "shares": shares.tolist()})
+
+    t_train = time.perf_counter()
+    bar = tqdm(total=total, initial=meta["step"], desc=name, disable=quiet)
+    t0, s0 = time.perf_counter(), meta["step"]
+    while meta["step"] < total:
+        step = meta["step"]
+        epoch, index, ids = steps[step]
+        batch = make_batch(corpus, ids, cfg.anchors, batch_generator(cfg, epoch, index), dev)
+        set_lr(step)
+        with autocast():
+            fb = forward_blocks(model, batch, t2d)
+        loss, win = wta_loss(fb, w, shares, cfg)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        lv = float(loss.detach())
+        if not math.isfinite(lv):
+            raise SpecdraftError(f"the training loss is not finite ({lv}) at step {step + 1}; lower --lr")
+        counts = torch.bincount(win, minlength=cfg.modes).float()
+        shares = 0.99 * shares + 0.01 * counts / counts.sum().clamp(min=1)
+        meta["wins"] = [a + int(b) for a, b in zip(meta["wins"], counts.tolist())]
+        meta["loss_sum"] += lv
+        meta["loss_n"] += 1
+        meta["step"] = step + 1
+        bar.update(1)
+        if step - s0 == 4 and total - s0 > 20:
+            per = (time.perf_counter() - t0) / 5
+            log(f"{total} steps: expected {per * (total - s0) / 60:.1f} min at {per:.2f} s per step")
+        if step % 10 == 0:
+            bar.set_postfix(loss=f"{lv:.3f}")
+        epoch_done = meta["step"] == total or steps[meta["step"]][0] != epoch
+        if epoch_done:
+            ev = evaluate()
+            n_w = max(1, sum(meta["wins"]))
+            meta["history"].append({"epoch": epoch + 1, "step": meta["step"],
+                                    "train_loss": meta["loss_sum"] / max(1, meta["loss_n"]),
+                                    "win_share": [x / n_w for x in meta["wins"]], "val": ev,
+                                    "wall_s": time.perf_counter() - t_train})
+            log(f"epoch {epoch + 1} (step {meta['step']}/{total}): train loss {meta['history'][-1]['train_loss']:.3f}; "
+                f"mode win shares " + " ".join(f"{x:.2f}" for x in meta["history"][-1]["win_share"])
+                + "; held-out top-1 per depth, best mode " + " ".join(f"{x:.1%}" for x in ev["top1_best"])
+                + ", product marginal " + " ".join(f"{x:.1%}" for x in ev["top1_marginal"])
+                + f"; chain length best {ev['chain_best']:.2f} / marginal {ev['chain_marginal']:.2f}")
+            meta.update(wins=[0] * cfg.modes, loss_sum=0.0, loss_n=0)
+            save()
+        elif meta["step"] % cfg.save_every == 0:
+            save()
+    bar.close()
+
+    manifest = {
+        "kind": "block",
+        "target_name": target.name,
+        "target_hash": target.weight_hash,
+        "config": asdict(mcfg),
+        "drafter": name,
+        "train": asdict(cfg),
+        "draft_vocab_coverage": covered,
+        "data": {"dir": str(data_dir), "manifest_sha256": manifest_sha256(data_manifest), "shards": data_manifest["shards_used"],
+                 "sequences": n_seq, "response_tokens": data_manifest["response_tokens"]},
+        "history": meta["history"],
+        "steps": total,
+        "params": model.n_params(),
+        "target_params": n_target,
+        "train_wall_s": time.perf_counter() - t_train,
+    }
+    sd = {k: (v.to(torch.float16) if v.is_floating_point() else v) for k, v in model.state_dict().items()}
+    save_checkpoint(out, sd, manifest)
+    spath.unlink(missing_ok=True)
+    log(f"wrote {out}")
+    return manifest

@@ -1,0 +1,268 @@
+"""Block drafter (DFlash) and Multi-Future Drafting (MFD): the many-blocks training pass equals
+per-block drafting, losslessness with every tree shape, marginals, checkpoint errors and
+resumable training."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdraft.drafters import make_drafter
+from specdraft.drafters.base import NoDrafter
+from specdraft.drafters.block import (BlockConfig, BlockDraftConfig, BlockDrafter, BlockModel, TREES,
+                                      default_weights_path)
+from specdraft.errors import SpecdraftError
+from specdraft.generate import GenerateConfig, generate
+from specdraft.model.llama import FINAL, ForwardOutput
+from specdraft.train import block as TB
+from specdraft.train.hybrid import Batch
+
+PROMPTS = ["What is 17 * 23? Think step by step.", "Write a Python function that reverses a string.",
+           "Tell me about the United States of America."]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run faster on one thread (no hand-offs between threads on a busy 2-core CPU)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _random_model(target, modes: int, block: int = 5, layers: int = 2, vocab: int = 0, seed: int = 0) -> BlockModel:
+    torch.manual_seed(seed)
+    cfg = BlockConfig.for_target(target.config, layers=layers, block_size=block, feature_layers=(1, FINAL),
+                                 modes=modes, draft_vocab=vocab)
+    tm = target.model
+    ids = torch.randperm(target.config.vocab_size)[:vocab] if vocab else torch.arange(target.config.vocab_size)
+    m = BlockModel(cfg, tm.embed.weight, tm.lm_head.weight, ids)
+    with torch.no_grad():
+        for p in m.parameters():  # sharper than the default init
+            p.normal_(0, 0.3)
+    return m.eval()
+
+
+# ---------------------------------------------------------------------------- training == drafting
+
+
+@pytest.mark.parametrize("modes", [1, 3])
+def test_block_mask_pass_equals_per_block_drafting(tiny_llama, modes):
+    from specdraft.bench.simulate import sequence_hidden
+
+    _, target, _ = tiny_llama
+    model = _random_model(target, modes, vocab=0)
+    d = BlockDrafter(model)
+    gen = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(2, 96, (n,), generator=gen).tolist() for n in (30, 22)]
+    width = max(map(len, seqs))
+    hid = [sequence_hidden(target, s, d.hidden_layers) for s in seqs]
+    feats = torch.zeros(2, width, 2 * target.config.hidden_size)
+    tokens = torch.zeros(2, width, dtype=torch.long)
+    for b, (s, h) in enumerate(zip(seqs, hid)):
+        feats[b, : len(s)] = torch.cat([h[k][0] for k in d.hidden_layers], -1)
+        tokens[b, : len(s)] = torch.tensor(s)
+    roots = [[1, 7, 12, 27, 29], [3, 9, 20, 0, 0]]  # root positions a; the second row padded
+    ok = torch.tensor([[True] * 5, [True, True, True, False, False]])
+    batch = Batch(tokens, torch.tensor([len(s) for s in seqs]), torch.tensor([0, 0]), feats, None,
+                  torch.tensor(roots) - 1, ok)
+    t2d = torch.arange(96)  # draft vocabulary = the target's
+    with torch.no_grad():
+        states = TB.block_states(model, batch)  # [2, 5, K, D, H]
+        logits = model.logits(states)
+        out = TB.forward_blocks(model, batch, t2d)
+    # the loss keeps the 7 real blocks with a label (a root at the last position has none)
+    assert out.logits.shape == (7, modes, 4, 96) and out.ok.shape == (7, 4)
+    for b in range(2):
+        for i, a in enumerate(roots[b]):
+            if not ok[b, i]:
+                continue
+            d.reset(seqs[b][:a], seqs[b][a], ForwardOutput(None, {k: v[:, :a] for k, v in hid[b].items()}))
+            ref = d.block_logp()  # [K, D, V']: this block alone, context strictly before a
+            got = torch.log_softmax(logits[b, i], -1)
+            assert torch.allclose(got, ref, atol=1e-5), (modes, b, a, float((got - ref).abs().max()))
+
+
+def test_commit_extends_the_context_with_accepted_features(tiny_llama):
+    """After committing an accepted path, the drafter equals one reset on the longer prefix."""
+    from specdraft.bench.simulate import sequence_hidden
+    from specdraft.verify import Accepted
+
+    _, target, _ = tiny_llama
+    model = _random_model(target, 2, vocab=0)
+    seq = torch.randint(2, 96, (26,), generator=torch.Generator().manual_seed(1)).tolist()
+    hid = sequence_hidden(target, seq, (1, FINAL))
+    p = 10
+    a = BlockDrafter(model)
+    a.reset(seq[:p], seq[p], ForwardOutput(None, {k: v[:, :p] for k, v in hid.items()}))
+    path = [0, 2, 5]  # root + two accepted nodes at tree slots 2 and 5; NaN elsewhere
+    fake = {k: torch.full((1, 7, v.shape[-1]), float("nan")) for k, v in hid.items()}
+    for k, v in hid.items():
+        fake[k][0, path] = v[0, p : p + 3]
+    a.commit(Accepted(path=path, tokens=seq[p + 1 : p + 3], bonus=seq[p + 3]), ForwardOutput(None, fake))
+    b = BlockDrafter(model)
+    b.reset(seq[: p + 3], seq[p + 3], ForwardOutput(None, {k: v[:, : p + 3] for k, v in hid.items()}))
+    assert torch.allclose(a.block_logp(), b.block_logp(), atol=1e-5)
+
+
+def test_marginals_shapes_and_sorting(tiny_llama):
+    _, target, _ = tiny_llama
+    model = _random_model(target, 3, block=6, vocab=40)
+    d = BlockDrafter(model)
+    seq = torch.randint(2, 96, (12,), generator=torch.Generator().manual_seed(2)).tolist()
+    from specdraft.bench.simulate import sequence_hidden
+
+    hid = sequence_hidden(target, seq, d.hidden_layers)
+    d.reset(seq[:11], seq[11], ForwardOutput(None, hid))
+    tokens, logp = d.marginals(7)
+    assert tokens.shape == logp.shape == (3, 5, 7)
+    assert tokens.dtype == torch.long and logp.dtype == torch.float32
+    assert bool((logp[..., :-1] >= logp[..., 1:]).all()) and bool((logp <= 0).all())
+    assert set(tokens.flatten().tolist()) <= set(model.vocab_ids.tolist())
+    full = d.block_logp()
+    assert torch.allclose(logp[..., 0], full.max(-1).values)
+    assert torch.allclose(full.exp().sum(-1), torch.ones(3, 5), atol=1e-5)
+    assert d.marginals(100)[0].shape == (3, 5, 40)  # capped at the draft vocabulary
+
+
+# ---------------------------------------------------------------------------- lossless decoding
+
+
+@pytest.mark.parametrize("modes", [1, 3])
+def test_random_drafters_are_lossless_with_every_tree(tiny_chat_target, modes):
+    t = tiny_chat_target
+    model = _random_model(t, modes, block=6, vocab=512)
+    for p in PROMPTS[:2]:
+        ids = t.encode_prompt(p)
+        ref = generate(t, ids, NoDrafter(), GenerateConfig(max_new_tokens=20)).token_ids
+        for tree in TREES:
+            for budget in (1, 4, 20):
+                d = BlockDrafter(model, BlockDraftConfig(tree=tree, topk=4, budget=budget))
+                assert generate(t, ids, d, GenerateConfig(max_new_tokens=20)).token_ids == ref, (modes, tree, budget)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tiny_chat_target, tmp_path_factory):
+    """Training data of the tiny chat target on real prompts (responses and features)."""
+    from specdraft.train import data as D
+    from specdraft.train.prompts import Prompt
+
+    root = tmp_path_factory.mktemp("block")
+    texts = PROMPTS + ["List three colours.", "Explain recursion in one sentence.", "What is the capital of France?"]
+    prompts = [Prompt(id=i, source="gsm", text=f"{t} (variant {i})") for i, t in enumerate(texts * 2)]
+    cfg = D.BuildConfig(n_prompts=len(prompts), max_new_tokens=32, batch_size=6, shard_size=5, sources=("gsm",))
+    D.build_data(tiny_chat_target, root / "data", cfg, quiet=True, prompts=prompts)
+    D.cache_features(tiny_chat_target, root / "data", root / "feat", (1, FINAL), quiet=True)
+    return root
+
+
+def _train(target, root, out, modes=1, log=lambda *a: None, **kw):
+    base = dict(modes=modes, draft_layers=1, block_size=5, feature_layers=(1, FINAL), draft_vocab=256, epochs=6,
+                anchors=8, batch_tokens=256, lr=3e-3, holdout=0.2)
+    cfg = TB.TrainConfig(**{**base, **kw})
+    return TB.train_block(target, root / "data", root / "feat", out, cfg, quiet=True, log=log)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_chat_target, tiny_run, tmp_path_factory):
+    """Tiny drafters trained briefly, K = 1 and K = 3, with the same steps."""
+    root = tmp_path_factory.mktemp("block_ckpt")
+    return {k: (root / f"k{k}.safetensors", _train(tiny_chat_target, tiny_run, root / f"k{k}.safetensors", modes=k))
+            for k in (1, 3)}
+
+
+def test_trained_tiny_drafters_are_lossless_and_accept_drafts(tiny_chat_target, trained):
+    t = tiny_chat_target
+    assert trained[1][1]["steps"] == trained[3][1]["steps"]
+    for modes, (path, m) in trained.items():
+        assert m["kind"] == "block" and m["drafter"] == ("mfd" if modes > 1 else "block")
+        assert m["config"]["modes"] == modes and m["history"][-1]["train_loss"] < m["history"][0]["train_loss"]
+        assert abs(sum(m["history"][-1]["win_share"]) - 1) < 1e-6
+        tpp = []
+        for p in PROMPTS:
+            ids = t.encode_prompt(f"{p} (variant 0)")
+            ref = generate(t, ids, NoDrafter(), GenerateConfig(max_new_tokens=32)).token_ids
+            for spec, budget in ((str(path), 1), (f"{path}@tree=linear,bf16=0", 6), (f"{path}@tree=ddtree,topk=3", 8),
+                                 (f"{path}@tree=mixture,bf16=1", 20)):
+                d = make_drafter(spec, t, budget=budget)
+                assert isinstance(d, BlockDrafter) and d.name == ("mfd" if modes > 1 else "block")
+                r = generate(t, ids, d, GenerateConfig(max_new_tokens=32))
+                assert r.token_ids == ref, (modes, spec, budget)
+                tpp.append(r.stats.tokens_per_pass)
+        assert max(tpp) > 1.0, modes  # drafts learned from the training responses get accepted
+    d = make_drafter(str(trained[3][0]), t)
+    assert d.opts.tree == "mixture" and make_drafter(str(trained[1][0]), t).opts.tree == "ddtree"
+
+
+@pytest.mark.parametrize("name", ["block", "mfd"])
+def test_shipped_drafters_are_lossless_on_real_prompts(name, request):
+    if not default_weights_path(name).is_file():
+        pytest.skip(f"{name} weights not trained yet")
+    target = request.getfixturevalue("default_target")
+    for p in PROMPTS:
+        ids = target.encode_prompt(p)
+        ref = generate(target, ids, NoDrafter(), GenerateConfig(max_new_tokens=48)).token_ids
+        for spec, budget in ((name, 4), (f"{name}@tree=linear", 7), (name, 16)):
+            r = generate(target, ids, make_drafter(spec, target, budget=budget), GenerateConfig(max_new_tokens=48))
+            assert r.token_ids == ref, (spec, p, budget)
+            assert r.stats.tokens_per_pass >= 1.0
+
+
+# ---------------------------------------------------------------------------- checkpoints and training
+
+
+def test_corrupt_mismatched_and_missing_checkpoints(tiny_chat_target, tiny_llama, trained, tmp_path, monkeypatch):
+    from specdraft.drafters import block as B
+
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(SpecdraftError, match="corrupt|not a specdraft"):
+        make_drafter(str(bad), tiny_chat_target)
+    with pytest.raises(SpecdraftError, match="corrupt"):
+        B.load_model(tiny_chat_target, bad)
+    good = trained[1][0]
+    with pytest.raises(SpecdraftError, match="trained for target"):
+        make_drafter(str(good), tiny_llama[1])
+    with pytest.raises(SpecdraftError, match="has no option 'beams'"):
+        make_drafter(f"{good}@beams=3", tiny_chat_target)
+    with pytest.raises(SpecdraftError, match="tree must be one of"):
+        make_drafter(f"{good}@tree=beam", tiny_chat_target)
+    with pytest.raises(SpecdraftError, match="topk must be"):
+        make_drafter(f"{good}@topk=0", tiny_chat_target)
+    with pytest.raises(SpecdraftError, match="bf16 must be 0 or 1"):
+        make_drafter(f"{good}@bf16=2", tiny_chat_target)
+    monkeypatch.setattr(B, "default_weights_path", lambda name: tmp_path / f"no_{name}.safetensors")
+    for name, k in (("block", 1), ("mfd", 4)):
+        with pytest.raises(SpecdraftError, match=f"not in this install yet.*train block --modes {k}"):
+            make_drafter(name, tiny_chat_target)
+
+
+def test_training_resumes_to_the_same_weights(tiny_chat_target, tiny_run, tmp_path, monkeypatch):
+    from specdraft.checkpoint import load_checkpoint
+
+    kw = dict(modes=2, epochs=2, save_every=3)
+    ref = tmp_path / "ref.safetensors"
+    _train(tiny_chat_target, tiny_run, ref, **kw)
+    out = tmp_path / "cut.safetensors"
+    state = TB.state_path(out)
+    real = TB.forward_blocks
+    calls = {"n": 0}
+
+    def interrupt(*a, **k):  # after the mid-epoch save at step 3, before step 5's update
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(TB, "forward_blocks", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        _train(tiny_chat_target, tiny_run, out, **kw)
+    monkeypatch.setattr(TB, "forward_blocks", real)
+    assert not out.exists() and state.is_file()
+    lines: list[str] = []
+    m = _train(tiny_chat_target, tiny_run, out, log=lines.append, **kw)
+    assert any("resuming" in x and "at step 3 " in x for x in lines), lines  # from the mid-run save
+    a, _ = load_checkpoint(ref)
+    b, _ = load_checkpoint(out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert len(m["history"]) == 2 and not state.exists()

@@ -364,7 +364,7 @@ def load_block(target, name: str, path: str | Path | None = None, budget: int | 
             raise SpecdraftError(
                 f"the {name} drafter's weights ({path}) are not in this install yet; train them with "
                 f"`specdraft train block --modes {NAMES[name]} --data data/smollm2 --features data/smollm2_feat "
-                f"--out {path}` (about 5 / 13 min on a 2-core CPU for K=1 / 4) or pass a checkpoint path as --drafter")
+                f"--out {path}` (about 7 / 13 min on a 2-core CPU for K=1 / 4) or pass a checkpoint path as --drafter")
     model, manifest = load_model(target, path)
     if bf16 == "1" or (bf16 is None and native_bf16(target.device)):
         model = model.to(torch.bfloat16)  # the drafting matmuls read half the bytes (lossless: the target verifies)

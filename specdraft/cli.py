@@ -453,9 +453,16 @@ def cmd_analyze(args) -> None:
                                quiet=args.quiet)
         print("| dataset | drafter | " + " | ".join(f"budget {b}" for b in budgets) + " |")
         print("|---|---|" + "---|" * len(budgets))
+        pred = res.get("predicted_speedup_vs_greedy", {})
         for ds, per in res["datasets"].items():
             for d, tpp in per.items():
-                print(f"| {ds} | {d} | " + " | ".join(f"{tpp[b]:.2f}" for b in budgets) + " |")
+                sp = pred.get(ds, {}).get(d, {})
+                cells = [f"{tpp[b]:.2f}" + (f" ({sp[b]:.2f}x)" if sp.get(b) is not None else "") for b in budgets]
+                print(f"| {ds} | {d} | " + " | ".join(cells) + " |")
+        if pred:
+            print("tokens per pass (predicted speed-up over greedy from the cost curve + measured drafting time); "
+                  "best budget: " + "; ".join(f"{ds}: " + ", ".join(f"{d} {b}" for d, b in v.items())
+                                              for ds, v in res["best_budget"].items()))
         print(f"wrote {Path(args.out) / 'acceptance.json'}", file=sys.stderr)
     elif args.analyze_command == "chimeras":
         from specdraft.bench.chimeras import ChimeraConfig, chimera_report, format_summary

@@ -259,7 +259,7 @@ def test_shipped_drafters_are_lossless_on_real_prompts(name, request):
     for p in PROMPTS:
         ids = target.encode_prompt(p)
         ref = generate(target, ids, NoDrafter(), GenerateConfig(max_new_tokens=48)).token_ids
-        for budget in (2, 6):
-            r = generate(target, ids, make_drafter(name, target, budget=budget), GenerateConfig(max_new_tokens=48))
-            assert r.token_ids == ref, (name, p, budget)
+        for spec, budget in ((name, 2), (name, 6), (f"{name}@ngram=3", 6)):
+            r = generate(target, ids, make_drafter(spec, target, budget=budget), GenerateConfig(max_new_tokens=48))
+            assert r.token_ids == ref, (spec, p, budget)
             assert r.stats.tokens_per_pass >= 1.0

@@ -115,3 +115,19 @@ def test_report_of_the_committed_bench_run(tmp_path):
     md = write_report(tmp_path).read_text()
     assert "| gsm | ngram |" in md and "## Problems" not in md
     pngs_ok(tmp_path, ["speedup.png", "tokens_per_pass.png"])
+
+
+def test_predicted_speedup_series_and_formula():
+    from specdraft.bench.simulate import predicted_speedup
+
+    curve = {"n": [1, 2, 3, 4], "ms": [40.0, 44.0, 42.0, 60.0], "ratio": [1.0, 1.1, 1.05, 1.5]}
+    # 2 tokens per pass over a 3-token tree: the pass counts as the dearest smaller tree (1.1), + 4 ms drafting
+    assert abs(predicted_speedup(curve, 2.0, 2, 4.0) - 2.0 / (1.1 + 0.1)) < 1e-12
+    assert predicted_speedup(curve, 2.0, 7, 0.0) is None  # off the curve
+    acc = acceptance_series({"datasets": {"gsm": {"block": {"1": 1.5, "2": 2.0}}},
+                             "predicted_speedup_vs_greedy": {"gsm": {"block": {"1": 1.4, "2": None}, "x": 3}}})
+    assert acc["block"]["tokens_per_pass"] == {"gsm": [1.5, 2.0]}
+    assert "speedup" not in acc["block"]  # a budget without a prediction: no partial series
+    acc = acceptance_series({"datasets": {"gsm": {"block": {"1": 1.5, "2": 2.0}}},
+                             "predicted_speedup_vs_greedy": {"gsm": {"block": {"1": 1.4, "2": 1.6}}}})
+    assert acc["block"]["speedup"] == {"gsm": [1.4, 1.6]}

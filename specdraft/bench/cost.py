@@ -22,7 +22,8 @@ from specdraft.tree import Tree
 
 def curve_path(target) -> Path:
     dtype = str(target.model.embed.weight.dtype).replace("torch.", "")
-    name = f"{target.weight_hash[:16]}_{target.device.type}_{dtype}_t{torch.get_num_threads()}.json"
+    q = target.model.quantized_rows
+    name = f"{target.weight_hash[:16]}_{target.device.type}_{dtype}{f'_q{q}' if q else ''}_t{torch.get_num_threads()}.json"
     return cache_dir() / "cost_curves" / name
 
 
@@ -46,7 +47,8 @@ def measure_cost_curve(target, max_n: int = 64, context: int = 256, repeats: int
         ms.append(1000 * statistics.median(times))
     return {"target": target.name, "target_hash": target.weight_hash, "device": target.device.type,
             "threads": torch.get_num_threads(), "context": context, "n": ns, "ms": ms,
-            "ratio": [m / ms[0] for m in ms], "packed_weights": bool(target.model.lm_head.packs)}
+            "ratio": [m / ms[0] for m in ms], "packed_weights": bool(target.model.lm_head.packs),
+            "quantized_rows": target.model.quantized_rows}
 
 
 def save_cost_curve(target, curve: dict) -> Path:

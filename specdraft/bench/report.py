@@ -205,6 +205,19 @@ def acceptance_series(d: dict) -> dict[str, dict]:
             cur = out.setdefault(drafter, {"budget": series["budget"], "tokens_per_pass": {}})
             if cur["budget"] == series["budget"]:
                 cur["tokens_per_pass"][ds] = series["tokens_per_pass"]["all"]
+    # predicted speed-up over greedy (cost curve + measured drafting time), where recorded
+    pred = d.get("predicted_speedup_vs_greedy")
+    for ds, per in (pred.items() if isinstance(pred, dict) else []):
+        for drafter, v in (per.items() if isinstance(per, dict) else []):
+            cur = out.get(drafter)
+            if cur is None or not isinstance(v, dict):
+                continue
+            try:
+                ys = {float(b): float(x) for b, x in v.items() if x is not None}
+            except (TypeError, ValueError):
+                continue
+            if all(b in ys for b in cur["budget"]):
+                cur.setdefault("speedup", {})[ds] = [ys[b] for b in cur["budget"]]
     return out
 
 

@@ -12,6 +12,7 @@ Use it to sweep vocabulary sizes and node budgets in minutes; timing belongs to 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -66,12 +67,14 @@ def simulate(drafter, prompt: list[int], output: list[int], hidden: dict[int, to
     full = list(prompt) + list(output)
     p = len(prompt)
     if not output:
-        return {"passes": 0, "tokens": 0, "tokens_per_pass": 0.0, "accept_hist": {}}
+        return {"passes": 0, "tokens": 0, "tokens_per_pass": 0.0, "accept_hist": {}, "draft_s": 0.0}
     prefill = ForwardOutput(None, {k: v[:, :p] for k, v in hidden.items()})
     drafter.reset(list(prompt), full[p], prefill)
-    n, passes, hist = p, 0, {}
+    n, passes, hist, draft_s = p, 0, {}, 0.0
     while n < len(full) - 1:
+        t0 = time.perf_counter()
         tree = drafter.propose(budget)
+        draft_s += time.perf_counter() - t0
         node, path = 0, [0]
         while n + len(path) < len(full):
             nxt = tree.child(node, full[n + len(path)])
@@ -96,16 +99,17 @@ def simulate(drafter, prompt: list[int], output: list[int], hidden: dict[int, to
         n += d + 1
     committed = len(full) - p - 1
     return {"passes": passes, "tokens": committed, "tokens_per_pass": committed / passes if passes else 0.0,
-            "accept_hist": dict(sorted(hist.items()))}
+            "accept_hist": dict(sorted(hist.items())), "draft_s": draft_s}
 
 
 def simulate_dataset(target, drafters: dict, prompts: list[list[int]], outputs: list[list[int]], budgets: list[int],
-                     quiet: bool = True) -> dict:
-    """Tokens per pass (committed tokens / passes, pooled over prompts) per drafter per budget."""
+                     quiet: bool = True, draft_ms: dict | None = None) -> dict:
+    """Tokens per pass (committed tokens / passes, pooled over prompts) per drafter per budget.
+    If ``draft_ms`` is a dict, it receives the mean wall time of one ``propose`` (ms) per drafter per budget."""
     from tqdm import tqdm
 
     layers = sorted({layer for d in drafters.values() for layer in d.hidden_layers})
-    tot = {name: {b: [0, 0] for b in budgets} for name in drafters}
+    tot = {name: {b: [0, 0, 0.0] for b in budgets} for name in drafters}
     for prompt, out in tqdm(list(zip(prompts, outputs)), desc="simulating", disable=quiet):
         hidden = sequence_hidden(target, list(prompt) + list(out), tuple(layers)) if layers else {}
         for name, d in drafters.items():
@@ -113,13 +117,31 @@ def simulate_dataset(target, drafters: dict, prompts: list[list[int]], outputs: 
                 r = simulate(d, prompt, out, hidden, b)
                 tot[name][b][0] += r["tokens"]
                 tot[name][b][1] += r["passes"]
-    return {name: {b: (t / p if p else 0.0) for b, (t, p) in v.items()} for name, v in tot.items()}
+                tot[name][b][2] += r["draft_s"]
+    if draft_ms is not None:
+        draft_ms.update({name: {b: (1000 * s / p if p else 0.0) for b, (_, p, s) in v.items()} for name, v in tot.items()})
+    return {name: {b: (t / p if p else 0.0) for b, (t, p, _) in v.items()} for name, v in tot.items()}
+
+
+def predicted_speedup(curve: dict, tpp: float, budget: int, draft_ms: float) -> float | None:
+    """Speed relative to plain greedy predicted from the cost curve: tokens per pass / (time of a pass
+    over budget + 1 tokens + drafting time), in units of a one-token pass.  None off the curve."""
+    n = budget + 1
+    if n not in curve["n"]:
+        return None
+    worst = max(r for m, r in zip(curve["n"], curve["ratio"]) if m <= n)  # never cheaper for more tokens
+    return tpp / (worst + draft_ms / curve["ms"][0])
 
 
 def acceptance_sweep(target, drafters: list[str], datasets: list[str], n: int, max_new_tokens: int,
                      budgets: list[int], out_dir: str | Path, quiet: bool = False,
                      cache_dir: str | Path | None = None) -> dict:
-    """Offline tokens per pass per dataset x drafter x budget; writes DIR/acceptance.json."""
+    """Offline tokens per pass per dataset x drafter x budget; writes DIR/acceptance.json.
+
+    Also records each drafter's mean ``propose`` time per budget (measured during the replay: run it
+    on a quiet machine) and, when this machine's cost curve is stored, the predicted speed-up over
+    plain greedy per budget and the best budget by that prediction."""
+    from specdraft.bench.cost import load_cost_curve
     from specdraft.bench.datasets import load_prompts
     from specdraft.drafters import make_drafter
     from specdraft.errors import SpecdraftError
@@ -137,7 +159,19 @@ def acceptance_sweep(target, drafters: list[str], datasets: list[str], n: int, m
         prompts = [target.encode_prompt(p) for p in load_prompts(ds, n)]
         outs = greedy_outputs(target, prompts, max_new_tokens, cache=Path(cache_dir or out / "greedy_outputs") / f"{Path(ds).stem}.json",
                               quiet=quiet)
-        res["datasets"][ds] = simulate_dataset(target, made, prompts, outs, budgets, quiet=quiet)
+        dms: dict = {}
+        res["datasets"][ds] = simulate_dataset(target, made, prompts, outs, budgets, quiet=quiet, draft_ms=dms)
+        res.setdefault("draft_ms", {})[ds] = dms
+    curve = load_cost_curve(target)
+    if curve is not None:
+        res["config"]["one_token_pass_ms"] = curve["ms"][0]
+        for ds, per in res["datasets"].items():
+            pred = {name: {b: predicted_speedup(curve, tpp[b], b, res["draft_ms"][ds][name][b]) for b in budgets}
+                    for name, tpp in per.items()}
+            res.setdefault("predicted_speedup_vs_greedy", {})[ds] = pred
+            res.setdefault("best_budget", {})[ds] = {
+                name: max((v, b) for b, v in p.items() if v is not None)[1] for name, p in pred.items()
+                if any(v is not None for v in p.values())}
     out.mkdir(parents=True, exist_ok=True)
     (out / "acceptance.json").write_text(json.dumps(res, indent=1))
     return res

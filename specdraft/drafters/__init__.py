@@ -44,12 +44,32 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
     return name, opts
 
 
+def _lookup_nodes(name: str, value: str) -> int:
+    """``NAME@ngram=N``: up to N tree nodes for prompt-lookup candidates (0 = none)."""
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise SpecdraftError(f"{name} option ngram must be an integer >= 0 (nodes given to prompt lookup; got {value!r})")
+    return n
+
+
+def _with_lookup(drafter, lookup_nodes: int):
+    if lookup_nodes == 0:
+        return drafter
+    from specdraft.drafters.combine import WithNgram
+
+    return WithNgram(drafter, lookup_nodes)
+
+
 def make_drafter(name: str, target=None, budget: int | None = None) -> Drafter:
     """Build the drafter ``name`` (or load a checkpoint path) for ``target``.
 
     Options after ``@`` tune a drafter: ``phrase@ngram=0`` (no prompt-lookup candidates in the
     tree), ``phrase@top_n=4`` (entries expanded per step), ``gumiho@topk=4,beams=2,bf16=1``
     (children scored per node, nodes expanded per depth, bfloat16 drafting; also ``medusa``, ``eagle``),
+    ``gumiho@ngram=4`` (up to 4 tree nodes for prompt-lookup candidates, the model's best nodes fill the rest).
     ``block@tree=linear|ddtree|mixture,topk=16,bf16=0`` (tree shape, candidates per depth, bfloat16 drafting;
     also ``mfd``).
     """
@@ -60,8 +80,8 @@ def make_drafter(name: str, target=None, budget: int | None = None) -> Drafter:
         if not path.is_file():
             raise SpecdraftError(f"drafter checkpoint {path} not found")
         name = _checkpoint_kind(path)
-    allowed = {"phrase": {"ngram", "top_n"}, **dict.fromkeys(HYBRID, {"topk", "beams", "bf16"}),
-               **dict.fromkeys(BLOCK, {"tree", "topk", "bf16"})}.get(name, set())
+    allowed = {"phrase": {"ngram", "top_n"}, **dict.fromkeys(HYBRID, {"topk", "beams", "bf16", "ngram"}),
+               **dict.fromkeys(BLOCK, {"tree", "topk", "bf16", "ngram"})}.get(name, set())
     bad = sorted(set(opts) - allowed)
     if bad:
         raise SpecdraftError(f"drafter {name!r} has no option {bad[0]!r}" + (f" (options: {', '.join(sorted(allowed))})" if allowed else ""))
@@ -92,9 +112,11 @@ def make_drafter(name: str, target=None, budget: int | None = None) -> Drafter:
     if name in HYBRID:
         from specdraft.drafters.hybrid import load_hybrid
 
-        return load_hybrid(target, name, path, budget=budget, opts=opts)
+        lookup = _lookup_nodes(name, opts.pop("ngram", "0"))
+        return _with_lookup(load_hybrid(target, name, path, budget=budget, opts=opts), lookup)
     if name in BLOCK:
         from specdraft.drafters.block import load_block
 
-        return load_block(target, name, path, budget=budget, opts=opts)
+        lookup = _lookup_nodes(name, opts.pop("ngram", "0"))
+        return _with_lookup(load_block(target, name, path, budget=budget, opts=opts), lookup)
     raise SpecdraftError(f"unknown drafter {name!r} (available: {', '.join(DRAFTERS)}, or a checkpoint path)")

@@ -41,8 +41,13 @@ class Linear(nn.Linear):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.packs: dict[int, Tensor] = {}
+        self.quant = None  # a model.quant.QuantWeight: the GGUF's own blocks, used for passes of <= quant_rows tokens
+        self.quant_rows = 0
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.quant is not None and x.numel() // x.shape[-1] <= self.quant_rows and x.dtype == torch.float32:
+            y = self.quant(x)
+            return y if self.bias is None else y + self.bias
         if self.packs:
             m = x.numel() // x.shape[-1]
             p = self.packs.get(m)
@@ -198,7 +203,10 @@ class Transformer(nn.Module):
         p = self.embed.weight
         if rows < 2 or p.device.type != "cpu" or p.dtype != torch.float32 or not mkl_packing_available():
             return False
-        lins = [m for m in self.modules() if isinstance(m, Linear)]
+        # projections whose quantized kernel serves passes of this size need no packed copy
+        lins = [m for m in self.modules() if isinstance(m, Linear) and not (m.quant is not None and rows <= m.quant_rows)]
+        if not lins:
+            return True
         held = list(lins[0].packs)
         if rows in held:
             return True
@@ -208,6 +216,50 @@ class Transformer(nn.Module):
         for m in lins:
             m.pack(rows)
         return True
+
+    @torch.no_grad()
+    def attach_quantized(self, raw: dict, sd: dict[str, Tensor], max_rows: int) -> int:
+        """Let passes of <= ``max_rows`` tokens read the GGUF's quantized blocks (``raw``: Hugging Face
+        name -> ``quant.RawQuant``, rows already in HF order; ``sd``: the fp32 state dict for the norm
+        weights the fp32 path folds into W).  Returns how many projections use them."""
+        from specdraft.model.quant import QuantWeight, concat_rows, supported
+
+        cfg, d = self.cfg, self.cfg.head_dim
+
+        def rope_rows(r):
+            idx = interleave_rope_rows(torch.arange(r.rows, dtype=torch.float64)[:, None], d)[:, 0].long().numpy()
+            return r.take_rows(idx)
+
+        def attach(lin: Linear, parts: list[str], perm=(), in_scale: Tensor | None = None) -> int:
+            if not all(n in raw and supported(raw[n].kind) for n in parts):
+                return 0
+            fused = concat_rows([rope_rows(raw[n]) if n in perm else raw[n] for n in parts])
+            if fused is None or fused.rows != lin.weight.shape[0] or fused.cols != lin.weight.shape[1]:
+                return 0
+            lin.quant, lin.quant_rows = QuantWeight(fused, in_scale), max_rows
+            return 1
+
+        n = 0
+        for i, blk in enumerate(self.blocks):
+            p = f"model.layers.{i}."
+            q, k, v = (p + f"self_attn.{x}_proj.weight" for x in "qkv")
+            n += attach(blk.wqkv, [q, k, v], perm=(q, k), in_scale=sd[p + "input_layernorm.weight"])
+            n += attach(blk.wo, [p + "self_attn.o_proj.weight"])
+            n += attach(blk.w_gate_up, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+                        in_scale=sd[p + "post_attention_layernorm.weight"])
+            n += attach(blk.w_down, [p + "mlp.down_proj.weight"])
+        n += attach(self.lm_head, ["model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"])
+        return n
+
+    @property
+    def quantized_rows(self) -> int:
+        """Largest pass (tokens) the quantized kernel serves; 0 = fp32 weights only."""
+        return max((m.quant_rows for m in self.modules() if isinstance(m, Linear) and m.quant is not None), default=0)
+
+    def drop_quantized(self) -> None:
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.quant, m.quant_rows = None, 0
 
     def drop_packs(self) -> None:
         for m in self.modules():

@@ -11,7 +11,7 @@ import importlib.util
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +34,7 @@ class LoadedWeights:
     state_dict: dict[str, torch.Tensor]  # Hugging Face parameter names, fp32
     weight_hash: str  # sha256 of the weight files (identifies the target for drafter checkpoints)
     tokenizer_source: tuple[str, dict]  # (path, kwargs) for AutoTokenizer.from_pretrained
+    quantized: dict = field(default_factory=dict)  # HF name -> quant.RawQuant: a GGUF's Q4_1/Q8_0 blocks as stored
 
 
 def default_gguf_path() -> Path:
@@ -108,8 +109,13 @@ def load_gguf(path: Path, name: str | None = None) -> LoadedWeights:
     heads = meta(f"{arch}.attention.head_count")
     kv_heads = meta(f"{arch}.attention.head_count_kv", heads)
     hidden = meta(f"{arch}.embedding_length")
+    from specdraft.model.quant import RawQuant, supported
+
     sd: dict[str, torch.Tensor] = {}
+    raw: dict[str, RawQuant] = {}
     for t in reader.tensors:
+        kind = t.tensor_type.name
+        rq = RawQuant(kind, int(t.shape[0]), np.asarray(t.data)) if supported(kind) and len(t.shape) == 2 else None
         arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         arr = arr.reshape([int(x) for x in reversed(t.shape)]) if arr.ndim > 0 else arr
         parts = t.name.split(".")
@@ -121,12 +127,15 @@ def load_gguf(path: Path, name: str | None = None) -> LoadedWeights:
             key = "lm_head.weight"
         elif parts[0] == "blk" and parts[2] in _GGUF_NAMES:
             key = f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
-            if arch == "llama" and parts[2] == "attn_q":
-                arr = _reverse_rope_permute(arr, heads)
-            elif arch == "llama" and parts[2] == "attn_k":
-                arr = _reverse_rope_permute(arr, kv_heads)
+            if arch == "llama" and parts[2] in ("attn_q", "attn_k"):
+                n_heads = heads if parts[2] == "attn_q" else kv_heads
+                arr = _reverse_rope_permute(arr, n_heads)
+                if rq is not None:  # the same row permutation on the stored blocks
+                    rq = RawQuant(rq.kind, rq.cols, np.ascontiguousarray(_reverse_rope_permute(rq.data, n_heads)))
         else:
             continue  # e.g. rope_freqs: recomputed from the config
+        if rq is not None:
+            raw[key] = rq
         sd[key] = torch.from_numpy(arr if arr.flags.writeable and arr.flags.c_contiguous else arr.copy())
     head_dim = meta(f"{arch}.attention.key_length") or hidden // heads
     eos = meta("tokenizer.ggml.eos_token_id")
@@ -154,6 +163,7 @@ def load_gguf(path: Path, name: str | None = None) -> LoadedWeights:
         state_dict=sd,
         weight_hash=file_hash([path]),
         tokenizer_source=(str(path.parent), {"gguf_file": path.name}),
+        quantized=raw,
     )
 
 
@@ -207,7 +217,10 @@ def load_weights(target: str = "default") -> LoadedWeights:
     return load_hf_folder(path)
 
 
-def build_model(w: LoadedWeights, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Transformer:
+def build_model(w: LoadedWeights, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                quantized: bool = True) -> Transformer:
+    """The decoder with ``w`` loaded.  A GGUF's Q4_1/Q8_0 blocks also serve passes of few tokens
+    on the CPU in fp32 (``quantized``; see ``model.quant``)."""
     with torch.device("meta"):
         model = Transformer(w.config)
     model = model.to_empty(device=device)
@@ -220,7 +233,13 @@ def build_model(w: LoadedWeights, device: str = "cpu", dtype: torch.dtype = torc
         raise SpecdraftError(f"{w.name}: weights do not match the config ({e})") from None
     if w.config.tie_embeddings:
         model.lm_head.weight = model.embed.weight
-    return model.to(dtype=dtype).eval().requires_grad_(False)
+    model = model.to(dtype=dtype).eval().requires_grad_(False)
+    if w.quantized and quantized and torch.device(device).type == "cpu" and dtype == torch.float32:
+        from specdraft.model.quant import QUANT_ROWS, kernel_available
+
+        if kernel_available():
+            model.attach_quantized(w.quantized, w.state_dict, QUANT_ROWS)
+    return model
 
 
 def load_tokenizer(w: LoadedWeights):

@@ -1,0 +1,67 @@
+"""Matmuls from a GGUF's quantized blocks (model/quant.py): the kernel against the fp32
+dequantisation, the fused/permuted layers of the default target, and greedy output unchanged."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specdraft.model import quant
+from specdraft.model.quant import QuantWeight, RawQuant
+
+pytestmark = pytest.mark.skipif(not quant.kernel_available(), reason="no C++ compiler for the quantized kernel")
+
+
+def _random_blocks(kind: str, rows: int, cols: int, seed: int) -> RawQuant:
+    rng = np.random.default_rng(seed)
+    nb = cols // 32
+    if kind == "Q4_1":
+        d = (rng.random((rows, nb, 1)) * 0.02).astype(np.float16).view(np.uint8)
+        m = (-rng.random((rows, nb, 1)) * 0.1).astype(np.float16).view(np.uint8)
+        q = rng.integers(0, 256, (rows, nb, 16), dtype=np.uint8)
+        blocks = np.concatenate([d, m, q], -1)
+    else:
+        d = (rng.random((rows, nb, 1)) * 0.01).astype(np.float16).view(np.uint8)
+        q = rng.integers(-128, 128, (rows, nb, 32), dtype=np.int8).view(np.uint8)
+        blocks = np.concatenate([d, q], -1)
+    return RawQuant(kind, cols, blocks.reshape(rows, -1))
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_kernel_equals_fp32_dequantised_matmul(kind):
+    raw = _random_blocks(kind, 100, 192, seed=1)
+    w = raw.dequantize()  # the fp32 weights gguf's own dequantisation gives
+    g = torch.Generator().manual_seed(0)
+    scale = torch.rand(192, generator=g) + 0.5
+    for m in (1, 3, 17):
+        x = torch.randn(2, m, 192, generator=g)
+        ref = x @ w.t()
+        y = QuantWeight(raw)(x)
+        assert y.shape == (2, m, 100)
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(QuantWeight(raw, in_scale=scale)(x), (x * scale) @ w.t(), rtol=1e-5, atol=1e-5)
+    # rows taken in another order stay whole blocks
+    perm = np.random.default_rng(2).permutation(100)
+    torch.testing.assert_close(QuantWeight(raw.take_rows(perm))(x), ref[..., perm], rtol=1e-5, atol=1e-5)
+
+
+def test_default_target_uses_the_blocks_and_decodes_the_same(default_weights):
+    from specdraft.drafters.base import NoDrafter
+    from specdraft.generate import GenerateConfig, generate
+    from specdraft.model.load import build_model, load_tokenizer
+    from specdraft.target import Target
+
+    fp32 = build_model(default_weights, quantized=False)
+    q = build_model(default_weights)
+    lins = [m for m in q.modules() if getattr(m, "quant", None) is not None]
+    assert len(lins) == 4 * default_weights.config.num_layers + 1  # every projection and the LM head
+    for name, p in fp32.named_parameters():  # the fp32 weights are untouched
+        assert torch.equal(p, dict(q.named_parameters())[name])
+    tok = load_tokenizer(default_weights)
+    outs = []
+    for model in (fp32, q):
+        t = Target(model, tok, default_weights.name, default_weights.weight_hash)
+        outs.append([generate(t, t.encode_prompt(p), NoDrafter(), GenerateConfig(max_new_tokens=40)).token_ids
+                     for p in ("What is 12 * 7?", "Name three colours.")])
+    assert outs[0] == outs[1]

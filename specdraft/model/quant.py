@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 BLOCK = 32  # weights per block, both formats
-QUANT_ROWS = 16  # passes of at most this many tokens use the kernel (more: the fp32 matmul, packed)
+QUANT_ROWS = 24  # passes of at most this many tokens use the kernel (more: the fp32 matmul, packed)
 _KIND = {"Q4_1": 0, "Q8_0": 1}
 _BYTES = {"Q4_1": 20, "Q8_0": 34}  # bytes per block
 
@@ -37,89 +37,141 @@ _SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <cstdint>
+#include <algorithm>
+#include <cstring>
 #include <vector>
-#if defined(__AVX512F__)
 #include <immintrin.h>
-#endif
 
-// One row of blocks -> K floats, exactly as the fp32 dequantisation: w = d*q + m (Q4_1), w = q*d (Q8_0).
-static inline void row_q4_1(const uint8_t* qs, const float* d, const float* m, int64_t nb, float* out) {
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* q = qs + b * 16;
-    float* o = out + b * 32;
+// Blocks are read as the GGUF stores them: Q4_1 = {fp16 d, fp16 m, 16 bytes of 4-bit q} (20 bytes),
+// Q8_0 = {fp16 d, 32 int8 q} (34 bytes); block j of 32 weights: q_j = low nibbles then high nibbles.
+static inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
 #if defined(__AVX512F__)
-    __m128i v = _mm_loadu_si128((const __m128i*)q);
+// One block as 32 floats, exactly as the fp32 dequantisation: w = d*q + m (Q4_1), w = q*d (Q8_0).
+template <int KIND>
+static inline void block(const uint8_t* b, __m512& w0, __m512& w1) {
+  if (KIND == 0) {
+    __m512 vd = _mm512_set1_ps(half_to_float(b)), vm = _mm512_set1_ps(half_to_float(b + 2));
+    __m128i v = _mm_loadu_si128((const __m128i*)(b + 4));
     __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0x0F));
     __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F));
-    __m512 vd = _mm512_set1_ps(d[b]), vm = _mm512_set1_ps(m[b]);
-    _mm512_storeu_ps(o, _mm512_add_ps(_mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo))), vm));
-    _mm512_storeu_ps(o + 16, _mm512_add_ps(_mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi))), vm));
-#else
-    for (int j = 0; j < 16; ++j) {
-      o[j] = d[b] * (float)(q[j] & 15) + m[b];
-      o[j + 16] = d[b] * (float)(q[j] >> 4) + m[b];
-    }
-#endif
+    w0 = _mm512_add_ps(_mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo))), vm);
+    w1 = _mm512_add_ps(_mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi))), vm);
+  } else {
+    __m512 vd = _mm512_set1_ps(half_to_float(b));
+    w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 2)))), vd);
+    w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + 18)))), vd);
   }
 }
 
-static inline void row_q8_0(const int8_t* qs, const float* d, int64_t nb, float* out) {
+// R weight rows x T rows of x, all R*T accumulators in registers (independent FMA chains).
+template <int KIND, int R, int T>
+static inline void tile(const uint8_t* w, int64_t row_bytes, int64_t nb, const float* x, int64_t K, float* y,
+                        int64_t N) {
+  constexpr int BB = KIND == 0 ? 20 : 34;
+  __m512 acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const int8_t* q = qs + b * 32;
-    float* o = out + b * 32;
-#if defined(__AVX512F__)
-    __m512 vd = _mm512_set1_ps(d[b]);
-    __m128i a = _mm_loadu_si128((const __m128i*)q), c = _mm_loadu_si128((const __m128i*)(q + 16));
-    _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(a)), vd));
-    _mm512_storeu_ps(o + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)), vd));
+    __m512 w0[R], w1[R];
+    for (int r = 0; r < R; ++r) block<KIND>(w + r * row_bytes + b * BB, w0[r], w1[r]);
+    for (int t = 0; t < T; ++t) {
+      __m512 x0 = _mm512_loadu_ps(x + t * K + b * 32), x1 = _mm512_loadu_ps(x + t * K + b * 32 + 16);
+      for (int r = 0; r < R; ++r) {
+        acc[r][t] = _mm512_fmadd_ps(w0[r], x0, acc[r][t]);
+        acc[r][t] = _mm512_fmadd_ps(w1[r], x1, acc[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) y[t * N + r] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+// Rows [s, e) of W against T rows of x: tiles of R weight rows (R*T accumulators + 2R weights in registers).
+template <int KIND, int R, int T>
+static inline void rows_t(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t s, int64_t e, const float* x,
+                          int64_t K, float* y, int64_t N) {
+  int64_t n = s;
+  for (; n + R <= e; n += R) tile<KIND, R, T>(w + n * row_bytes, row_bytes, nb, x, K, y + n, N);
+  for (; n < e; ++n) tile<KIND, 1, T>(w + n * row_bytes, row_bytes, nb, x, K, y + n, N);
+}
+
+// All M rows of x in tiles of <= 8 (each weight block is rebuilt once per tile): 4 weight rows at a
+// time for tiles of <= 4 x-rows, 2 for larger tiles.
+template <int KIND>
+static void rows(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t s, int64_t e, const float* x, int64_t M,
+                 int64_t K, float* y, int64_t N) {
+  for (int64_t i = 0; i < M; i += 8) {
+    const float* xi = x + i * K;
+    float* yi = y + i * N;
+    switch (std::min<int64_t>(8, M - i)) {
+      case 8: rows_t<KIND, 2, 8>(w, row_bytes, nb, s, e, xi, K, yi, N); break;
+      case 7: rows_t<KIND, 2, 7>(w, row_bytes, nb, s, e, xi, K, yi, N); break;
+      case 6: rows_t<KIND, 2, 6>(w, row_bytes, nb, s, e, xi, K, yi, N); break;
+      case 5: rows_t<KIND, 2, 5>(w, row_bytes, nb, s, e, xi, K, yi, N); break;
+      case 4: rows_t<KIND, 4, 4>(w, row_bytes, nb, s, e, xi, K, yi, N); break;
+      case 3: rows_t<KIND, 4, 3>(w, row_bytes, nb, s, e, xi, K, yi, N); break;
+      case 2: rows_t<KIND, 4, 2>(w, row_bytes, nb, s, e, xi, K, yi, N); break;
+      default: rows_t<KIND, 4, 1>(w, row_bytes, nb, s, e, xi, K, yi, N); break;
+    }
+  }
+}
 #else
-    for (int j = 0; j < 32; ++j) o[j] = (float)q[j] * d[b];
-#endif
+// Portable fallback: rebuild each weight row into a buffer, then plain dot products.
+template <int KIND>
+static void rows(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t s, int64_t e, const float* x, int64_t M,
+                 int64_t K, float* y, int64_t N) {
+  std::vector<float> buf(K);
+  for (int64_t n = s; n < e; ++n) {
+    const uint8_t* r = w + n * row_bytes;
+    for (int64_t b = 0; b < nb; ++b) {
+      if (KIND == 0) {
+        const uint8_t* bl = r + b * 20;
+        float d = half_to_float(bl), m = half_to_float(bl + 2);
+        for (int j = 0; j < 16; ++j) {
+          buf[b * 32 + j] = d * (float)(bl[4 + j] & 15) + m;
+          buf[b * 32 + j + 16] = d * (float)(bl[4 + j] >> 4) + m;
+        }
+      } else {
+        const uint8_t* bl = r + b * 34;
+        float d = half_to_float(bl);
+        for (int j = 0; j < 32; ++j) buf[b * 32 + j] = (float)((const int8_t*)(bl + 2))[j] * d;
+      }
+    }
+    for (int64_t i = 0; i < M; ++i) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k) acc += buf[k] * x[i * K + k];
+      y[i * N + n] = acc;
+    }
   }
 }
-
-static inline float dot(const float* a, const float* b, int64_t k) {
-  int64_t i = 0;
-  float r = 0.f;
-#if defined(__AVX512F__)
-  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
-  for (; i + 32 <= k; i += 32) {
-    s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s0);
-    s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), s1);
-  }
-  r = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
 #endif
-  for (; i < k; ++i) r += a[i] * b[i];
-  return r;
-}
 
-// y[M, N] = x[M, K] @ W^T with W [N, K] in blocks; kind 0 = Q4_1 (qs [N, K/2] u8, d, m [N, K/32]),
-// kind 1 = Q8_0 (qs [N, K] i8, d [N, K/32]).  Rows of W are split over torch's threads; each row
-// is rebuilt once into a K-float buffer (L1) and dotted with every row of x.
-at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m, int64_t kind) {
+// y[M, N] = x[M, K] @ W^T, W = [N, row_bytes] GGUF blocks (kind 0 = Q4_1, 1 = Q8_0).  Rows of W are
+// split over torch's threads; each block is rebuilt in registers once per tile of <= 8 rows of x.
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t kind) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x must be [M, K] contiguous fp32");
-  const int64_t M = x.size(0), K = x.size(1), N = qs.size(0), nb = K / 32;
-  TORCH_CHECK(K % 32 == 0 && d.size(0) == N && d.size(1) == nb, "weight blocks do not fit x");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kByte, "w must be [N, row_bytes] uint8");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), nb = K / 32;
+  const int64_t row_bytes = nb * (kind == 0 ? 20 : 34);
+  TORCH_CHECK(K % 32 == 0 && w.size(1) == row_bytes, "weight blocks do not fit x");
   auto y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const uint8_t* q = (const uint8_t*)qs.data_ptr();
-  const float* dp = d.data_ptr<float>();
-  const float* mp = kind == 0 ? m.data_ptr<float>() : nullptr;
-  const int64_t row_bytes = kind == 0 ? K / 2 : K;
-  at::parallel_for(0, N, 8, [&](int64_t s, int64_t e) {
-    std::vector<float> buf(K);
-    for (int64_t n = s; n < e; ++n) {
-      if (kind == 0) row_q4_1(q + n * row_bytes, dp + n * nb, mp + n * nb, nb, buf.data());
-      else row_q8_0((const int8_t*)(q + n * row_bytes), dp + n * nb, nb, buf.data());
-      for (int64_t i = 0; i < M; ++i) yp[i * N + n] = dot(buf.data(), xp + i * K, K);
-    }
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  at::parallel_for(0, N, 64, [&](int64_t s, int64_t e) {
+    if (kind == 0) rows<0>(wp, row_bytes, nb, s, e, xp, M, K, yp, N);
+    else rows<1>(wp, row_bytes, nb, s, e, xp, M, K, yp, N);
   });
   return y;
 }
 
 TORCH_LIBRARY(specdraft_quant, lib) {
-  lib.def("qlinear(Tensor x, Tensor qs, Tensor d, Tensor m, int kind) -> Tensor", &qlinear);
+  lib.def("qlinear(Tensor x, Tensor w, int kind) -> Tensor", &qlinear);
 }
 """
 
@@ -179,21 +231,13 @@ def concat_rows(parts: list[RawQuant]) -> RawQuant | None:
 
 
 class QuantWeight:
-    """Kernel-ready form of a ``RawQuant`` (scales and minima widened to fp32 once), plus an optional
+    """A ``RawQuant``'s blocks for the kernel (as stored, one stream per row), plus an optional
     per-input scale applied to x first (an RMSNorm weight the fp32 path folds into W)."""
 
     def __init__(self, raw: RawQuant, in_scale: Tensor | None = None) -> None:
-        nb = raw.cols // BLOCK
-        blocks = raw.data.reshape(raw.rows, nb, _BYTES[raw.kind])
         self.kind = _KIND[raw.kind]
         self.rows, self.cols = raw.rows, raw.cols
-        self.d = torch.from_numpy(blocks[:, :, 0:2].copy().view(np.float16).astype(np.float32).reshape(raw.rows, nb))
-        if raw.kind == "Q4_1":
-            self.m = torch.from_numpy(blocks[:, :, 2:4].copy().view(np.float16).astype(np.float32).reshape(raw.rows, nb))
-            self.qs = torch.from_numpy(np.ascontiguousarray(blocks[:, :, 4:]).reshape(raw.rows, nb * 16))
-        else:
-            self.m = torch.empty(0)
-            self.qs = torch.from_numpy(np.ascontiguousarray(blocks[:, :, 2:]).reshape(raw.rows, nb * 32))
+        self.blocks = torch.from_numpy(np.ascontiguousarray(raw.data, dtype=np.uint8))  # [rows, row_bytes]
         self.in_scale = None if in_scale is None else in_scale.detach().float().contiguous()
 
     def __call__(self, x: Tensor) -> Tensor:
@@ -201,5 +245,5 @@ class QuantWeight:
         x2 = x.reshape(-1, shape[-1])
         if self.in_scale is not None:
             x2 = x2 * self.in_scale
-        y = torch.ops.specdraft_quant.qlinear(x2.contiguous(), self.qs, self.d, self.m, self.kind)
+        y = torch.ops.specdraft_quant.qlinear(x2.contiguous(), self.blocks, self.kind)
         return y.view(*shape[:-1], self.rows)

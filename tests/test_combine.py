@@ -50,4 +50,11 @@ def test_model_drafter_with_lookup_is_lossless(tiny_chat_target):
 def test_lookup_option_errors(tiny_llama):
     for bad in ("gumiho@ngram=-1", "gumiho@ngram=x", "ngram@ngram=2"):
         with pytest.raises(SpecdraftError):
-            make_drafter(bad, tiny_llama)
+            make_drafter(bad, tiny_llama[1])
+
+
+def test_budget_option_sets_any_drafters_budget(tiny_llama):
+    assert make_drafter("ngram@budget=5", tiny_llama[1]).cfg.budget == 5
+    for bad in ("ngram@budget=x", "ngram@budget=-2"):
+        with pytest.raises(SpecdraftError):
+            make_drafter(bad, tiny_llama[1])

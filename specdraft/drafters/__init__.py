@@ -66,7 +66,7 @@ def _with_lookup(drafter, lookup_nodes: int):
 def make_drafter(name: str, target=None, budget: int | None = None) -> Drafter:
     """Build the drafter ``name`` (or load a checkpoint path) for ``target``.
 
-    Options after ``@`` tune a drafter: ``phrase@ngram=0`` (no prompt-lookup candidates in the
+    Options after ``@`` tune a drafter: ``NAME@budget=N`` (any drafter: its node budget), ``phrase@ngram=0`` (no prompt-lookup candidates in the
     tree), ``phrase@top_n=4`` (entries expanded per step), ``gumiho@topk=4,beams=2,bf16=1``
     (children scored per node, nodes expanded per depth, bfloat16 drafting; also ``medusa``, ``eagle``),
     ``gumiho@ngram=4`` (up to 4 tree nodes for prompt-lookup candidates, the model's best nodes fill the rest).
@@ -74,6 +74,11 @@ def make_drafter(name: str, target=None, budget: int | None = None) -> Drafter:
     also ``mfd``).
     """
     name, opts = parse_spec(name)
+    if "budget" in opts:  # NAME@budget=N: this drafter's node budget (any drafter)
+        value = opts.pop("budget")
+        if not value.isdigit():
+            raise SpecdraftError(f"drafter option budget must be an integer >= 0 (got {value!r})")
+        budget = int(value)
     path = None
     if name.endswith(".safetensors") or "/" in name:
         path = Path(name)

@@ -82,7 +82,7 @@ def generate(
     s = cfg.sampling
     gen = None
     if not s.greedy:
-        gen = torch.Generator().manual_seed(0 if cfg.seed is None else cfg.seed)
+        gen = torch.Generator(device=target.device).manual_seed(0 if cfg.seed is None else cfg.seed)
     eos = target.eos_ids
     stats = GenerationStats()
     hist: Counter[int] = Counter()

@@ -136,7 +136,7 @@ class DraftLayer(nn.Module):
         if mask is not None and g > 1:
             mask = mask.repeat(1, 1, g, 1)
         att = F.scaled_dot_product_attention(q.reshape(b, self.hkv, g * t, self.d), keys, values, attn_mask=mask)
-        x = x + self.wo(att.view(b, self.hq, t, self.d).transpose(1, 2).reshape(b, t, self.hq * self.d))
+        x = x + self.wo(att.reshape(b, self.hq, t, self.d).transpose(1, 2).reshape(b, t, self.hq * self.d))
         gate, up = self.w_gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.w_down(F.silu(gate) * up), k, v
 
@@ -500,5 +500,7 @@ def load_hybrid(target, name: str, path: str | Path | None = None, budget: int |
                 f"(see README, Hybrid drafters) or pass a checkpoint path as --drafter")
     model, manifest = load_model(target, path)
     if cfg.bf16:
+        inv_freq = model.inv_freq
         model = model.to(torch.bfloat16)
+        model.inv_freq = inv_freq  # RoPE angles stay fp32 (bf16 would shift every position's angle)
     return HybridDrafter(model, cfg, name=name if name in NAMES else None, manifest=manifest)

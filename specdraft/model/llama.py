@@ -174,7 +174,7 @@ class Block(nn.Module):
         g = hq // cfg.num_kv_heads
         qg = q.reshape(b, cfg.num_kv_heads, g * t, d)
         att = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)  # [B, Hkv, G*T, D]
-        att = att.view(b, hq, t, d)
+        att = att.reshape(b, hq, t, d)  # (CUDA kernels may return it non-contiguous)
         x = x + self.wo(att.transpose(1, 2).reshape(b, t, self.q_size))
         gate, up = self.w_gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.w_down(F.silu(gate) * up)

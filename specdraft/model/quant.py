@@ -185,7 +185,13 @@ def kernel_available() -> bool:
     ok = False
     if os.environ.get("SPECDRAFT_QUANT", "1") != "0":
         try:
+            import shutil
+            import sys
+
             from torch.utils.cpp_extension import load_inline
+
+            if shutil.which("ninja") is None:  # pip puts ninja next to this interpreter (an unactivated venv)
+                os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 
             load_inline("specdraft_quant", cpp_sources=[_SOURCE], is_python_module=False, verbose=False,
                         extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"])

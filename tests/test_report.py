@@ -127,7 +127,8 @@ def test_predicted_speedup_series_and_formula():
     acc = acceptance_series({"datasets": {"gsm": {"block": {"1": 1.5, "2": 2.0}}},
                              "predicted_speedup_vs_greedy": {"gsm": {"block": {"1": 1.4, "2": None}, "x": 3}}})
     assert acc["block"]["tokens_per_pass"] == {"gsm": [1.5, 2.0]}
-    assert "speedup" not in acc["block"]  # a budget without a prediction: no partial series
+    sp = acc["block"]["speedup"]["gsm"]  # a budget without a prediction is a gap
+    assert sp[0] == 1.4 and sp[1] != sp[1]
     acc = acceptance_series({"datasets": {"gsm": {"block": {"1": 1.5, "2": 2.0}}},
                              "predicted_speedup_vs_greedy": {"gsm": {"block": {"1": 1.4, "2": 1.6}}}})
     assert acc["block"]["speedup"] == {"gsm": [1.4, 1.6]}

@@ -216,8 +216,8 @@ def acceptance_series(d: dict) -> dict[str, dict]:
                 ys = {float(b): float(x) for b, x in v.items() if x is not None}
             except (TypeError, ValueError):
                 continue
-            if all(b in ys for b in cur["budget"]):
-                cur.setdefault("speedup", {})[ds] = [ys[b] for b in cur["budget"]]
+            if ys:  # budgets off the cost curve (e.g. 64 nodes = 65 tokens) have no prediction: a gap
+                cur.setdefault("speedup", {})[ds] = [ys.get(b, float("nan")) for b in cur["budget"]]
     return out
 
 
@@ -226,12 +226,16 @@ def plot_budget_sweep(series: dict[str, dict], path: Path) -> bool:
     if not metrics:
         return False
     plt = _plt()
-    fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 3.6), squeeze=False)
-    labels = {"tokens_per_pass": "tokens per pass", "speedup": "speedup", "tok_s": "tok/s"}
+    fig, axes = plt.subplots(1, len(metrics), figsize=(6.5 * len(metrics), 4.8), squeeze=False)
+    labels = {"tokens_per_pass": "tokens per pass", "speedup": "speedup vs greedy (offline replay: predicted)", "tok_s": "tok/s"}
+    colors = {d: f"C{i % 10}" for i, d in enumerate(series)}  # one colour per drafter, one line style per dataset
+    styles: dict[str, str] = {}
     for ax, metric in zip(axes[0], metrics):
         for drafter, s in series.items():
             for ds, ys in (s.get(metric) or {}).items():
-                ax.plot(s["budget"], ys, marker="o", ms=3, label=drafter if ds == "all" else f"{drafter} {ds}")
+                ls = styles.setdefault(ds, ["-", "--", ":", "-."][len(styles) % 4])
+                ax.plot(s["budget"], ys, marker="o", ms=3, color=colors[drafter], linestyle=ls,
+                        label=drafter if ds == "all" else f"{drafter} {ds}")
         _log2_axis(ax, [b for s in series.values() for b in s["budget"]])
         ax.set_xlabel("node budget (drafted nodes per tree)")
         ax.set_ylabel(labels[metric])

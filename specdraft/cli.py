@@ -119,11 +119,22 @@ def build_parser() -> argparse.ArgumentParser:
     tb.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per batch")
     tb.add_argument("--lr", type=float, default=6e-4)
     tb.add_argument("--gamma", type=float, default=4.0, help="depth j weighs exp(-(j-1)/gamma) in the loss (default 4)")
+    tb.add_argument("--no-gate", action="store_true",
+                    help="K > 1: train no mode gate (the mixture tree then weighs the modes equally)")
     tb.add_argument("--shards", type=int, default=0, help="train on the first N data shards only (default all)")
     tb.add_argument("--seed", type=int, default=0)
     tb.add_argument("--out", required=True, help="checkpoint to write (.safetensors); re-run to resume")
     tb.add_argument("--quiet", action="store_true")
     _add_target_args(tb)
+
+    tp = tsub.add_parser("profile", help="measure a trained drafter's tokens per pass and drafting time per node "
+                         "budget on its held-out training responses and store them in the checkpoint, so that it "
+                         "picks each machine's best budget from the cost curve")
+    tp.add_argument("checkpoint", help="a block / mfd checkpoint (.safetensors), rewritten in place")
+    tp.add_argument("--data", required=True, help="the data folder it was trained on")
+    tp.add_argument("--max-seqs", type=int, default=32, help="held-out sequences replayed (default 32)")
+    tp.add_argument("--quiet", action="store_true")
+    _add_target_args(tp)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat/completions, completions, models, health)")
     _add_target_args(sv)
@@ -359,6 +370,14 @@ def cmd_train(args) -> None:
         target = Target.load(args.target, device=args.device, dtype=args.dtype)
         log = (lambda *a, **k: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
         train_hybrid(target, args.data, args.features, args.out, cfg, quiet=args.quiet, log=log)
+    elif args.train_command == "profile":
+        from specdraft.train.profile import add_budget_profile
+
+        if args.max_seqs < 1:
+            raise SpecdraftError("--max-seqs must be >= 1")
+        target = Target.load(args.target, device=args.device, dtype=args.dtype)
+        prof = add_budget_profile(target, args.checkpoint, args.data, max_seqs=args.max_seqs, quiet=args.quiet)
+        print(json.dumps(prof, indent=1))
     elif args.train_command == "block":
         from specdraft.train.block import TrainConfig as BlockTrainConfig
         from specdraft.train.block import train_block
@@ -381,7 +400,7 @@ def cmd_train(args) -> None:
         cfg = BlockTrainConfig(modes=args.modes, draft_layers=args.draft_layers, block_size=args.block_size,
                                feature_layers=layers, draft_vocab=args.draft_vocab, epochs=args.epochs, steps=args.steps,
                                anchors=args.anchors, batch_tokens=args.batch_tokens, lr=args.lr, gamma=args.gamma,
-                               shards=args.shards, seed=args.seed)
+                               shards=args.shards, seed=args.seed, gate=not args.no_gate)
         read_manifest(Path(args.data))  # a clear error for a folder that is not a data build
         target = Target.load(args.target, device=args.device, dtype=args.dtype)
         log = (lambda *a, **k: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))

@@ -89,13 +89,18 @@ def ddtree(root: int, tokens: Tensor, logp: Tensor, budget: int) -> Ranked:
     return Ranked(tree=Tree(tokens=out_tokens, parents=parents), scores=scores)
 
 
-def mixture_tree(root: int, tokens: Tensor, logp: Tensor, budget: int) -> Ranked:
+def mixture_tree(root: int, tokens: Tensor, logp: Tensor, budget: int, prior: Tensor | None = None) -> Ranked:
     """Top-``budget`` prefixes under the best mode's log-score (see module docstring).
 
     tokens, logp: [K, D, k], one set of per-depth candidates per mode (logp sorted descending
-    along k; -inf entries skipped).  Prefix-closed, no duplicate prefixes, best first.
+    along k; -inf entries skipped).  ``prior`` [K] (optional, log pi_k <= 0, a mode gate) adds
+    to mode k's score: s(p) = max_k [log pi_k + sum_i log q_k(p_i)].  Prefix-closed, no
+    duplicate prefixes, best first.
     """
     modes = [_candidates(t, lp) for t, lp in zip(tokens.tolist(), logp.tolist())]  # [K][D][<=k]
+    base = [0.0] * len(modes) if prior is None else [float(x) for x in prior.tolist()]
+    if len(base) != len(modes) or any(not x <= 0.0 for x in base):
+        raise ValueError(f"prior must hold {len(modes)} log-probabilities <= 0 (got {base})")
     out_tokens, parents, scores = [root], [-1], [0.0]
     node_of: dict[tuple[int, int], int] = {}  # (parent node, token) -> tree node: one node per prefix
     heap: list[tuple[float, int, int, int, int, int, float]] = []
@@ -110,7 +115,7 @@ def mixture_tree(root: int, tokens: Tensor, logp: Tensor, budget: int) -> Ranked
             pushes += 1
 
     for m in range(len(modes)):
-        push(m, 0, 0, 0, 0.0)
+        push(m, 0, 0, 0, base[m])
     while heap and len(out_tokens) - 1 < budget:
         neg, depth, m, _, rank, parent, parent_score = heapq.heappop(heap)
         tok = modes[m][depth][rank][1]
@@ -126,21 +131,24 @@ def mixture_tree(root: int, tokens: Tensor, logp: Tensor, budget: int) -> Ranked
     return Ranked(tree=Tree(tokens=out_tokens, parents=parents), scores=scores)
 
 
-def mixture_marginals(tokens: Tensor, logp: Tensor, k: int | None = None) -> tuple[Tensor, Tensor]:
-    """One set of per-depth marginals from K modes: q(t) = (1/K) sum_k q_k(t) over the union of
-    the modes' candidates (a mode gives 0 to a token outside its own top-k).
+def mixture_marginals(tokens: Tensor, logp: Tensor, k: int | None = None,
+                      prior: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """One set of per-depth marginals from K modes: q(t) = sum_k pi_k q_k(t) over the union of
+    the modes' candidates (a mode gives 0 to a token outside its own top-k); pi = exp(``prior``)
+    [K] of a mode gate, or 1/K.
 
     tokens, logp: [K, D, k] -> tokens, logp: [D, k'] sorted descending, k' = ``k`` or the widest
     union (padded with -inf and token -1 where a depth has fewer candidates).
     """
     n_modes, depth, _ = tokens.shape
     modes = [_candidates(t, lp) for t, lp in zip(tokens.tolist(), logp.tolist())]  # [K][D][<=k]
+    pi = [1.0 / n_modes] * n_modes if prior is None else [math.exp(float(x)) for x in prior.tolist()]
     per_depth: list[list[tuple[float, int]]] = []
     for i in range(depth):
         mass: dict[int, float] = {}
         for m in range(n_modes):
             for lp, t in modes[m][i]:
-                mass[t] = mass.get(t, 0.0) + math.exp(lp) / n_modes
+                mass[t] = mass.get(t, 0.0) + math.exp(lp) * pi[m]
         per_depth.append(sorted(((math.log(p), t) for t, p in mass.items() if p > 0), key=lambda x: -x[0]))
     width = k if k is not None else max((len(r) for r in per_depth), default=0)
     out_t = torch.full((depth, width), -1, dtype=torch.long)

@@ -30,10 +30,11 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def _random_model(target, modes: int, block: int = 5, layers: int = 2, vocab: int = 0, seed: int = 0) -> BlockModel:
+def _random_model(target, modes: int, block: int = 5, layers: int = 2, vocab: int = 0, seed: int = 0,
+                  gate: bool = False) -> BlockModel:
     torch.manual_seed(seed)
     cfg = BlockConfig.for_target(target.config, layers=layers, block_size=block, feature_layers=(1, FINAL),
-                                 modes=modes, draft_vocab=vocab)
+                                 modes=modes, draft_vocab=vocab, gate=gate)
     tm = target.model
     ids = torch.randperm(target.config.vocab_size)[:vocab] if vocab else torch.arange(target.config.vocab_size)
     m = BlockModel(cfg, tm.embed.weight, tm.lm_head.weight, ids)
@@ -51,7 +52,8 @@ def test_block_mask_pass_equals_per_block_drafting(tiny_llama, modes):
     from specdraft.bench.simulate import sequence_hidden
 
     _, target, _ = tiny_llama
-    model = _random_model(target, modes, vocab=0)
+    model = _random_model(target, modes, vocab=0, gate=True)
+    assert model.cfg.gate == (modes > 1)
     d = BlockDrafter(model)
     gen = torch.Generator().manual_seed(5)
     seqs = [torch.randint(2, 96, (n,), generator=gen).tolist() for n in (30, 22)]
@@ -68,8 +70,9 @@ def test_block_mask_pass_equals_per_block_drafting(tiny_llama, modes):
                   torch.tensor(roots) - 1, ok)
     t2d = torch.arange(96)  # draft vocabulary = the target's
     with torch.no_grad():
-        states = TB.block_states(model, batch)  # [2, 5, K, D, H]
-        logits = model.logits(states)
+        states = TB.block_states(model, batch)  # [2, 5, K, B, H]
+        logits = model.logits(states[..., 1:, :])
+        gate = model.mode_logp(states[..., 0, :])  # [2, 5, K]
         out = TB.forward_blocks(model, batch, t2d)
     # the loss keeps the 7 real blocks with a label (a root at the last position has none)
     assert out.logits.shape == (7, modes, 4, 96) and out.ok.shape == (7, 4)
@@ -81,6 +84,8 @@ def test_block_mask_pass_equals_per_block_drafting(tiny_llama, modes):
             ref = d.block_logp()  # [K, D, V']: this block alone, context strictly before a
             got = torch.log_softmax(logits[b, i], -1)
             assert torch.allclose(got, ref, atol=1e-5), (modes, b, a, float((got - ref).abs().max()))
+            assert torch.allclose(gate[b, i], d.mode_prior(), atol=1e-5)  # the gate too
+            assert abs(float(d.mode_prior().exp().sum()) - 1) < 1e-5
 
 
 def test_commit_extends_the_context_with_accepted_features(tiny_llama):
@@ -128,10 +133,10 @@ def test_marginals_shapes_and_sorting(tiny_llama):
 # ---------------------------------------------------------------------------- lossless decoding
 
 
-@pytest.mark.parametrize("modes", [1, 3])
-def test_random_drafters_are_lossless_with_every_tree(tiny_chat_target, modes):
+@pytest.mark.parametrize("modes,gate", [(1, False), (3, False), (3, True)])
+def test_random_drafters_are_lossless_with_every_tree(tiny_chat_target, modes, gate):
     t = tiny_chat_target
-    model = _random_model(t, modes, block=6, vocab=512)
+    model = _random_model(t, modes, block=6, vocab=512, gate=gate)
     for p in PROMPTS[:2]:
         ids = t.encode_prompt(p)
         ref = generate(t, ids, NoDrafter(), GenerateConfig(max_new_tokens=20)).token_ids
@@ -178,6 +183,8 @@ def test_trained_tiny_drafters_are_lossless_and_accept_drafts(tiny_chat_target, 
         assert m["kind"] == "block" and m["drafter"] == ("mfd" if modes > 1 else "block")
         assert m["config"]["modes"] == modes and m["history"][-1]["train_loss"] < m["history"][0]["train_loss"]
         assert abs(sum(m["history"][-1]["win_share"]) - 1) < 1e-6
+        assert m["config"]["gate"] == (modes > 1)  # K > 1 trains a mode gate by default
+        assert 0.0 <= m["history"][-1]["val"]["gate_accuracy"] <= 1.0
         tpp = []
         for p in PROMPTS:
             ids = t.encode_prompt(f"{p} (variant 0)")
@@ -266,3 +273,36 @@ def test_training_resumes_to_the_same_weights(tiny_chat_target, tiny_run, tmp_pa
     b, _ = load_checkpoint(out)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert len(m["history"]) == 2 and not state.exists()
+
+
+def test_budget_profile_is_stored_and_picks_the_budget(tiny_chat_target, tiny_run, trained, tmp_path, monkeypatch):
+    """`specdraft train profile`: held-out tokens per pass and drafting time per budget go into the
+    manifest; a drafter loaded without a budget then picks it from the machine's cost curve."""
+    import shutil
+
+    from specdraft.bench import cost
+    from specdraft.checkpoint import load_checkpoint
+    from specdraft.train.profile import add_budget_profile
+
+    path = tmp_path / "k3.safetensors"
+    shutil.copy(trained[3][0], path)
+    before, _ = load_checkpoint(path)
+    prof = add_budget_profile(tiny_chat_target, path, tiny_run / "data", budgets=(1, 2, 4, 8))
+    tensors, manifest = load_checkpoint(path)
+    assert set(tensors) == set(before) and all(torch.equal(tensors[k], before[k]) for k in tensors)  # weights kept
+    assert manifest["acceptance_by_budget"] == prof["tokens_per_pass"] and set(prof["draft_ms"]) == {"1", "2", "4", "8"}
+    assert prof["sequences"] >= 1 and all(v >= 1.0 for v in prof["tokens_per_pass"].values())
+    assert all(v > 0 for v in prof["draft_ms"].values())
+    # a flat cost curve: the biggest tree with the most tokens per pass wins; a steep one: budget 1
+    flat = {"n": list(range(1, 10)), "ratio": [1.0] * 9, "ms": [1e30] * 9}  # drafting time negligible
+    monkeypatch.setattr(cost, "load_cost_curve", lambda target: flat)
+    best = max(prof["tokens_per_pass"].items(), key=lambda kv: (kv[1], int(kv[0])))
+    assert make_drafter(str(path), tiny_chat_target).opts.budget == int(best[0])
+    steep = {"n": list(range(1, 10)), "ratio": [1.0, 1.0] + [50.0] * 7, "ms": [1e30] * 9}  # only budget 1 is cheap
+    monkeypatch.setattr(cost, "load_cost_curve", lambda target: steep)
+    assert make_drafter(str(path), tiny_chat_target).opts.budget == 1
+    with pytest.raises(SpecdraftError, match="not the data this drafter was trained on"):
+        other = tmp_path / "other"
+        shutil.copytree(tiny_run / "data", other)
+        (other / "manifest.json").write_text((other / "manifest.json").read_text().replace("}", ', "x": 1}', 1))
+        add_budget_profile(tiny_chat_target, path, other)

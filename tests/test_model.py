@@ -96,3 +96,8 @@ def test_best_budget_uses_the_cost_envelope():
     assert best_budget(curve, {"1": 1.5, "2": 1.6}, default=7) == 1
     assert best_budget(None, {"1": 1.5}, default=7) == 7
     assert best_budget(curve, {}, default=7) == 7
+    # drafting time counts in units of the one-token pass (10 ms): 4 ms more at budgets 3-4 tips it to 1
+    curve["ms"] = [10.0, 11.0, 16.0, 12.0, 13.0]
+    tpp = {"1": 1.5, "2": 2.0, "3": 2.2, "4": 2.4}
+    assert best_budget(curve, tpp, default=7, draft_ms={"1": 1.0, "2": 1.0, "3": 1.0, "4": 1.0}) == 4
+    assert best_budget(curve, tpp, default=7, draft_ms={"1": 1.0, "2": 1.0, "3": 5.0, "4": 5.0}) == 1

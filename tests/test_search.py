@@ -14,8 +14,9 @@ from specdraft.search import Ranked, ddtree, mixture_marginals, mixture_tree
 NEG = -math.inf
 
 
-def brute_scores(modes: list[list[list[tuple[int, float]]]]) -> dict[tuple[int, ...], float]:
-    """Every prefix with a finite best-mode score: modes[m][depth] = [(token, logp), ...]."""
+def brute_scores(modes: list[list[list[tuple[int, float]]]], prior: list[float] | None = None) -> dict[tuple[int, ...], float]:
+    """Every prefix with a finite best-mode score: modes[m][depth] = [(token, logp), ...]; mode m's
+    score starts at prior[m] (0 without a prior)."""
     depth = len(modes[0])
     lookup = [[{t: lp for t, lp in modes[m][i] if math.isfinite(lp)} for i in range(depth)] for m in range(len(modes))]
     union = [sorted({t for m in lookup for t in m[i]}) for i in range(depth)]
@@ -23,8 +24,8 @@ def brute_scores(modes: list[list[list[tuple[int, float]]]]) -> dict[tuple[int, 
     for d in range(1, depth + 1):
         for prefix in itertools.product(*union[:d]):
             best = NEG
-            for m in lookup:
-                s = 0.0
+            for mi, m in enumerate(lookup):
+                s = prior[mi] if prior else 0.0
                 for i, t in enumerate(prefix):
                     s += m[i].get(t, NEG)
                 best = max(best, s)
@@ -99,6 +100,25 @@ def test_mixture_matches_brute_force(seed):
         check_top(mixture_tree(7, tokens, logp, budget), 7, brute, budget)
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_gated_mixture_matches_brute_force(seed):
+    """With a mode gate: s(p) = max_k [log pi_k + sum_i log q_k(p_i)]."""
+    rng = random.Random(2000 + seed)
+    n_modes, depth, k = rng.randint(2, 3), rng.randint(1, 3), rng.randint(1, 4)
+    modes = [random_mode(rng, depth, k, vocab=5, ties=seed % 2 == 1) for _ in range(n_modes)]
+    w = [rng.random() + 0.05 for _ in range(n_modes)]
+    prior = [math.log(x / sum(w)) for x in w]
+    brute = brute_scores(modes, prior)
+    tokens, logp = as_tensors(modes)
+    for budget in range(len(brute) + 2):
+        r = mixture_tree(7, tokens, logp, budget, prior=torch.tensor(prior, dtype=torch.float64))
+        check_top(r, 7, brute, budget)
+    with pytest.raises(ValueError):
+        mixture_tree(7, tokens, logp, 3, prior=torch.zeros(n_modes + 1))
+    with pytest.raises(ValueError):
+        mixture_tree(7, tokens, logp, 3, prior=torch.full((n_modes,), 0.5))
+
+
 def test_single_mode_mixture_equals_ddtree():
     rng = random.Random(3)
     mode = random_mode(rng, 4, 4, vocab=10, ties=False)
@@ -165,3 +185,15 @@ def test_mixture_marginals_width_and_padding():
     assert mt.shape == ml.shape == (3, 3)
     assert mt[0].tolist() == [1, -1, -1] and ml[0, 1:].tolist() == [NEG, NEG]  # p(0) = 0 is dropped
     assert torch.exp(ml).nansum(-1).tolist() == pytest.approx([1.0, 1.0, 1.0])
+
+
+def test_mixture_marginals_weigh_modes_by_the_gate():
+    tokens = torch.tensor([[[1, 2]], [[3, 2]]])  # K=2, D=1, k=2
+    logp = torch.log(torch.tensor([[[0.6, 0.4]], [[0.9, 0.1]]]))
+    prior = torch.log(torch.tensor([0.25, 0.75]))
+    mt, ml = mixture_marginals(tokens, logp, prior=prior)
+    got = dict(zip(mt[0].tolist(), torch.exp(ml[0]).tolist()))
+    assert got == pytest.approx({3: 0.675, 1: 0.15, 2: 0.175})
+    assert mt[0].tolist() == [3, 2, 1]
+    uniform = dict(zip(*[x[0].tolist() for x in mixture_marginals(tokens, logp)]))
+    assert math.exp(uniform[2]) == pytest.approx(0.25)

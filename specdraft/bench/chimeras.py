@@ -116,6 +116,7 @@ class Context:
     root: int
     tokens: Tensor  # [K, D, k] the drafter's candidates for the next block
     logp: Tensor  # [K, D, k]
+    prior: Tensor | None = None  # [K] log pi_k of a gated MFD drafter (None = the modes weigh equally)
 
 
 class _Recorder:
@@ -139,7 +140,9 @@ class _Recorder:
             self.next += 1  # unreachable (not expected: every jump lands on the next wanted slot)
         if self.next < len(self.wanted) and self.wanted[self.next] == self.n:
             tokens, logp = self.inner.marginals(self.top_k)
-            self.records.append(Context(self.n, self.root, tokens.detach().cpu(), logp.detach().float().cpu()))
+            gated = getattr(getattr(self.inner, "cfg", None), "gate", False)
+            prior = self.inner.mode_prior().detach().float().cpu() if gated else None
+            self.records.append(Context(self.n, self.root, tokens.detach().cpu(), logp.detach().float().cpu(), prior))
             self.next += 1
         stop = self.wanted[self.next] if self.next < len(self.wanted) else len(self.full)
         return Tree.from_paths(self.root, [self.full[self.n + 1 : stop]])  # accepted whole: next root = slot stop
@@ -218,10 +221,10 @@ def analyze_prompt(target, drafter, prompt: list[int], output: list[int], cfg: C
         if n_modes == 1:
             pt, pl = ctx.tokens[0], ctx.logp[0]
         else:
-            pt, pl = mixture_marginals(ctx.tokens, ctx.logp, cfg.top_k)
+            pt, pl = mixture_marginals(ctx.tokens, ctx.logp, cfg.top_k, prior=ctx.prior)
         trees = {"product": ddtree(ctx.root, pt, pl, cfg.budget)}
         if n_modes > 1:
-            trees["mixture"] = mixture_tree(ctx.root, ctx.tokens, ctx.logp, cfg.budget)
+            trees["mixture"] = mixture_tree(ctx.root, ctx.tokens, ctx.logp, cfg.budget, prior=ctx.prior)
         out.append({"n": ctx.n, "modes": n_modes, "depth": depth, "futures": futures,
                     "distinct_futures": len({tuple(f) for f in futures}), "trees": trees})
     return out

@@ -76,14 +76,22 @@ def budget_from_curve(curve: dict, max_ratio: float = 1.5, default: int = 8, cap
     return max(1, min(cap, max(ok) - 1))
 
 
-def best_budget(curve: dict | None, tokens_per_pass: dict, default: int) -> int:
-    """The budget maximising tokens per pass / pass cost (``tokens_per_pass``: budget -> measured
-    tokens per pass, e.g. a drafter's held-out profile); ``default`` without a curve or profile."""
+def best_budget(curve: dict | None, tokens_per_pass: dict, default: int, draft_ms: dict | None = None) -> int:
+    """The budget maximising tokens per pass / cost of a step (``tokens_per_pass``: budget -> measured
+    tokens per pass, e.g. a drafter's held-out profile).  A step costs the curve's pass over budget + 1
+    tokens, plus ``draft_ms[budget]`` (drafting time per pass, when given) in units of the curve's
+    one-token pass.  ``default`` without a curve or profile."""
     if not curve or not tokens_per_pass:
         return default
     ratio, worst = {}, 0.0
     for n, r in zip(curve["n"], curve["ratio"]):  # a bigger tree is never counted as cheaper (noise)
         worst = max(worst, r)
         ratio[n] = worst
-    scored = [(float(t) / ratio[int(b) + 1], int(b)) for b, t in tokens_per_pass.items() if int(b) + 1 in ratio]
+    one = float(curve["ms"][0]) if curve.get("ms") else 0.0
+    draft = {int(b): float(v) for b, v in (draft_ms or {}).items()}
+
+    def cost(b: int) -> float:
+        return ratio[b + 1] + (draft.get(b, 0.0) / one if one > 0 else 0.0)
+
+    scored = [(float(t) / cost(int(b)), int(b)) for b, t in tokens_per_pass.items() if int(b) + 1 in ratio]
     return max(scored)[1] if scored else default

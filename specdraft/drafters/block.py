@@ -76,9 +76,11 @@ class BlockConfig:
     feature_layers: tuple[int, ...] = (3, 15, 27)  # target layers fused into the context (-1 = final)
     modes: int = 1  # K: mode embeddings, blocks drafted per pass (1 = single-mode DFlash)
     draft_vocab: int = 8192  # LM-head rows drafted from (the most frequent tokens; 0 = all)
+    gate: bool = False  # K > 1: a mode gate pi_k(context) scored from each mode's root row
 
     def __post_init__(self) -> None:
         self.feature_layers = tuple(int(x) for x in self.feature_layers)
+        self.gate = bool(self.gate) and self.modes > 1
         if self.layers < 1 or self.block_size < 2 or self.modes < 1 or not self.feature_layers:
             raise SpecdraftError(f"a block drafter needs >= 1 layer, block size >= 2, >= 1 mode and a feature "
                                  f"layer (got {self.layers}, {self.block_size}, {self.modes}, {self.feature_layers})")
@@ -125,6 +127,8 @@ class BlockModel(nn.Module):
         std = float(embed.float().std())  # new embeddings on the scale of the target's
         self.mask_emb = nn.Parameter(torch.randn(h) * std)
         self.mode_emb = nn.Parameter(torch.randn(cfg.modes, h) * std)  # [K, H]
+        if cfg.gate:
+            self.gate = nn.Linear(h, 1, bias=False)  # score of mode k = w . (final state of mode k's root row)
 
     def n_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -170,6 +174,13 @@ class BlockModel(nn.Module):
             x, _, _ = layer(x, rot, mask, k, v)
         return self.norm(x)
 
+    def mode_logp(self, h_root: Tensor) -> Tensor:
+        """Final states of the K root rows [..., K, H] -> log pi_k [..., K]: the gate's
+        log-probability that mode k's block is the one the target continues (uniform without a gate)."""
+        if not self.cfg.gate:
+            return torch.full(h_root.shape[:-1], -math.log(self.cfg.modes), device=h_root.device)
+        return torch.log_softmax(self.gate(h_root).squeeze(-1).float(), -1)
+
     def logits(self, h: Tensor) -> Tensor:
         """[..., H] -> [..., V'] scores over the draft vocabulary (frozen LM-head rows)."""
         return F.linear(h.reshape(-1, h.shape[-1]), self.head_w).view(*h.shape[:-1], -1)  # one matmul, not a batched one
@@ -213,6 +224,7 @@ class BlockDrafter:
         self.n = 0  # committed positions with context K/V in the cache (= position of the root)
         self.cache: list[tuple[Tensor, Tensor]] = []  # per layer: k, v [1, Hkv, capacity, D]
         self._logp: Tensor | None = None  # [K, D, V'] of the current state, computed on demand
+        self._prior: Tensor | None = None  # [K] log pi_k of the current state, with _logp
 
     # ------------------------------------------------------------------ protocol
     def _features(self, out: ForwardOutput, rows) -> Tensor:
@@ -271,9 +283,15 @@ class BlockDrafter:
             pos = (n + torch.arange(cfg.block_size, device=dev)).repeat(cfg.modes)[None]  # [1, K*B]
             ctx = [(k[:, :, :n], v[:, :, :n]) for k, v in self.cache]
             h = m.run_blocks(x.flatten(1, 2), pos, modes_mask(cfg.modes, cfg.block_size, n, dev), ctx)
-            h = h.view(cfg.modes, cfg.block_size, -1)[:, 1:]  # [K, D, H]: rows 1 .. B-1 draft positions 1 .. D
-            self._logp = torch.log_softmax(m.logits(h).float(), -1)
+            h = h.view(cfg.modes, cfg.block_size, -1)  # [K, B, H]: row 0 = the root, rows 1 .. B-1 draft positions 1 .. D
+            self._logp = torch.log_softmax(m.logits(h[:, 1:]).float(), -1)
+            self._prior = m.mode_logp(h[:, 0])
         return self._logp
+
+    def mode_prior(self) -> Tensor:
+        """log pi_k [K] of the next block: the gate's (uniform for an ungated drafter)."""
+        self.block_logp()
+        return self._prior
 
     def marginals(self, k: int) -> tuple[Tensor, Tensor]:
         """Per mode and depth the top-k draft tokens (target ids) and their log-probabilities, sorted
@@ -285,17 +303,18 @@ class BlockDrafter:
         if budget <= 0:
             return Tree.single(self.root)
         k = min(self.opts.topk, budget)
+        prior = self.mode_prior()  # [K]
         if self.opts.tree == "linear":
             tokens, logp = self.marginals(1)  # [K, D, 1]
             depth = min(self.cfg.depth, budget)
-            best = int(logp[:, :depth, 0].sum(1).argmax())  # the mode whose chain is most likely
+            best = int((prior + logp[:, :depth, 0].sum(1)).argmax())  # the mode whose chain is most likely
             chain = tokens[best, :depth, 0].tolist()
             return Tree(tokens=[self.root] + chain, parents=list(range(-1, depth)))
         if self.opts.tree == "mixture":
             tokens, logp = self.marginals(k)
-            return mixture_tree(self.root, tokens, logp, budget).tree
-        lp = self.block_logp()  # [K, D, V']: the product tree over the modes' average probability
-        avg = torch.logsumexp(lp, 0) - math.log(lp.shape[0])  # [D, V']
+            return mixture_tree(self.root, tokens, logp, budget, prior=prior if self.cfg.gate else None).tree
+        lp = self.block_logp()  # [K, D, V']: the product tree over the modes' mixture sum_k pi_k q_k
+        avg = torch.logsumexp(lp + prior[:, None, None], 0)  # [D, V']
         top = avg.topk(min(k, avg.shape[-1]), -1)
         return ddtree(self.root, self.model.vocab_ids[top.indices], top.values, budget).tree
 
@@ -374,6 +393,7 @@ def load_block(target, name: str, path: str | Path | None = None, budget: int | 
     if budget is None:
         from specdraft.bench.cost import best_budget, load_cost_curve
 
-        budget = best_budget(load_cost_curve(target), manifest.get("acceptance_by_budget", {}), cfg.budget)
+        budget = best_budget(load_cost_curve(target), manifest.get("acceptance_by_budget", {}), cfg.budget,
+                             manifest.get("budget_profile", {}).get("draft_ms"))
     cfg.budget = budget
     return BlockDrafter(model, cfg, name=name if shipped else None, manifest=manifest)

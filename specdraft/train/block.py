@@ -61,6 +61,8 @@ class TrainConfig:
     gamma: float = 4.0  # depth weight w_j = exp(-(j-1)/gamma)
     wta_mean: float = 0.1  # lambda: share of the loss given to every mode's mean (K > 1)
     balance: float = 0.1  # beta: win-share penalty when assigning the winning mode (K > 1)
+    gate: bool = True  # K > 1: train a mode gate pi_k (cross-entropy on the winning mode)
+    gate_weight: float = 0.1  # weight of the gate's cross-entropy in the loss
     holdout: float = 0.05  # share of sequences held out for validation
     shards: int = 0  # use the first N data shards only (0 = all)
     save_every: int = 100  # steps between resume-state saves inside an epoch
@@ -73,15 +75,15 @@ class TrainConfig:
     def model_config(self, tcfg) -> BlockConfig:
         return BlockConfig.for_target(tcfg, layers=self.draft_layers, block_size=self.block_size,
                                       feature_layers=self.feature_layers, modes=self.modes,
-                                      draft_vocab=self.draft_vocab)
+                                      draft_vocab=self.draft_vocab, gate=self.gate)
 
 
 # ---------------------------------------------------------------------------- forward and loss
 
 
 def block_states(model: BlockModel, batch: Batch) -> Tensor:
-    """Final-normed drafter states of every anchor's blocks in one pass: [Bs, A, K, D, H], row j-1
-    scoring x_{a+j}.  ``batch.anchors`` holds a-1 (the position of the last context feature, as in
+    """Final-normed drafter states of every anchor's blocks in one pass: [Bs, A, K, B, H], row 0
+    the root (the mode gate reads it), row j scoring x_{a+j}.  ``batch.anchors`` holds a-1 (the position of the last context feature, as in
     ``specdraft.train.hybrid``), so the root x_a is ``token_at(batch, 1)``."""
     cfg = model.cfg
     kk, bb = cfg.modes, cfg.block_size
@@ -101,7 +103,7 @@ def block_states(model: BlockModel, batch: Batch) -> Tensor:
     own = (blk[:, None] == blk[None]).expand(bs, q, q)  # block-diagonal: each block sees itself only
     mask = torch.cat([sees, own], -1)[:, None]  # [Bs, 1, Q, t + Q]
     h = model.run_blocks(x.reshape(bs, q, -1), pos.reshape(bs, q), mask, ctx)
-    return h.view(bs, a, kk, bb, -1)[:, :, :, 1:]
+    return h.view(bs, a, kk, bb, -1)
 
 
 @dataclass
@@ -110,22 +112,24 @@ class BlockOut:
     ce: Tensor  # [N, K, D] cross-entropy, 0 where unlabelled
     labels: Tensor  # [N, D] draft-vocabulary ids (-100 = none)
     ok: Tensor  # [N, D] labelled depths
+    gate: Tensor  # [N, K] log pi_k of the mode gate (uniform without one)
 
 
 def forward_blocks(model: BlockModel, batch: Batch, t2d: Tensor) -> BlockOut:
     """Logits and per-depth cross-entropy of every labelled block of ``batch``."""
-    h = block_states(model, batch)
+    hb = block_states(model, batch)
+    h, h_root = hb[..., 1:, :], hb[..., 0, :]  # [Bs, A, K, D, H], [Bs, A, K, H]
     d = model.cfg.depth
     labs, oks = zip(*(token_at(batch, 1 + j) for j in range(1, d + 1)))
     lab = t2d[torch.stack(labs, -1)]  # [Bs, A, D]
     ok = torch.stack(oks, -1) & (lab >= 0)
     keep = batch.anchor_ok & ok.any(-1)
-    h, lab, ok = h[keep], lab[keep], ok[keep]  # [N, K, D, H], [N, D], [N, D]
+    h, lab, ok, h_root = h[keep], lab[keep], ok[keep], h_root[keep]  # [N, K, D, H], [N, D], [N, D], [N, K, H]
     logits = model.logits(h).float()
     n, k = logits.shape[:2]
     tgt = lab.clamp(min=0)[:, None].expand(n, k, d)
     ce = F.cross_entropy(logits.flatten(0, 2), tgt.flatten(), reduction="none").view(n, k, d) * ok[:, None]
-    return BlockOut(logits, ce, lab, ok)
+    return BlockOut(logits, ce, lab, ok, model.mode_logp(h_root))
 
 
 def depth_weights(depth: int, gamma: float, device=None) -> Tensor:
@@ -141,14 +145,18 @@ def wta_loss(out: BlockOut, w: Tensor, shares: Tensor, cfg: TrainConfig) -> tupl
     score = s.detach() / ws[:, None] + cfg.balance * torch.log(k * shares.clamp(min=1e-3))
     win = score.argmin(1)
     per_block = (1 - cfg.wta_mean) * s.gather(1, win[:, None])[:, 0] + cfg.wta_mean * s.mean(1)
-    return per_block.sum() / ws.sum(), win
+    loss = per_block.sum() / ws.sum()
+    if k > 1 and cfg.gate:  # the gate learns which mode wins (the block's own best, without the balance term)
+        loss = loss + cfg.gate_weight * F.nll_loss(out.gate, (s.detach() / ws[:, None]).argmin(1))
+    return loss, win
 
 
 @dataclass
 class EvalStats:
     """Held-out statistics: per depth, top-1 of the best mode (the block's lowest loss, an oracle)
-    and of the product marginal (the modes' average probability), and the mean accepted length
-    of their argmax chains."""
+    and of the product marginal (the modes' mixture sum_k pi_k q_k, pi the gate or uniform), the
+    mean accepted length of their argmax chains and of the gate's chosen mode, and how often the
+    gate picks the best mode."""
 
     depth: int
     modes: int
@@ -158,6 +166,8 @@ class EvalStats:
     ce: list[float] = field(default_factory=list)  # best-mode cross-entropy summed per depth
     chain_best: float = 0.0  # summed accepted length of the best mode's argmax chain
     chain_marginal: float = 0.0
+    chain_gated: float = 0.0  # summed accepted length of the argmax chain of the gate's top mode
+    gate_hits: int = 0  # blocks whose gate top mode is the best mode
     blocks: int = 0
     wins: list[int] = field(default_factory=list)  # blocks per best mode
 
@@ -171,7 +181,9 @@ class EvalStats:
         rows = torch.arange(len(best), device=best.device)
         lp = torch.log_softmax(out.logits, -1)  # [N, K, D, V']
         hit_best = (lp[rows, best].argmax(-1) == out.labels) & out.ok  # [N, D]
-        hit_marg = (torch.logsumexp(lp, 1).argmax(-1) == out.labels) & out.ok
+        hit_marg = (torch.logsumexp(lp + out.gate[:, :, None, None], 1).argmax(-1) == out.labels) & out.ok
+        top = out.gate.argmax(1)  # [N]
+        hit_gate = (lp[rows, top].argmax(-1) == out.labels) & out.ok
         for j in range(self.depth):
             self.n[j] += int(out.ok[:, j].sum())
             self.best[j] += int(hit_best[:, j].sum())
@@ -179,6 +191,8 @@ class EvalStats:
             self.ce[j] += float(out.ce[rows, best, j].sum())
         self.chain_best += float(hit_best.int().cumprod(1).sum())
         self.chain_marginal += float(hit_marg.int().cumprod(1).sum())
+        self.chain_gated += float(hit_gate.int().cumprod(1).sum())
+        self.gate_hits += int((top == best).sum())
         self.blocks += len(best)
         for k, c in enumerate(torch.bincount(best, minlength=self.modes).tolist()):
             self.wins[k] += c
@@ -188,6 +202,7 @@ class EvalStats:
         b = max(1, self.blocks)
         return {"top1_best": div(self.best), "top1_marginal": div(self.marginal), "ce_best": div(self.ce),
                 "chain_best": self.chain_best / b, "chain_marginal": self.chain_marginal / b,
+                "chain_gated": self.chain_gated / b, "gate_accuracy": self.gate_hits / b,
                 "best_share": [x / b for x in self.wins]}
 
 
@@ -345,7 +360,9 @@ def train_block(target, data_dir: str | Path, feat_dir: str | Path, out: str | P
                 f"mode win shares " + " ".join(f"{x:.2f}" for x in meta["history"][-1]["win_share"])
                 + "; held-out top-1 per depth, best mode " + " ".join(f"{x:.1%}" for x in ev["top1_best"])
                 + ", product marginal " + " ".join(f"{x:.1%}" for x in ev["top1_marginal"])
-                + f"; chain length best {ev['chain_best']:.2f} / marginal {ev['chain_marginal']:.2f}")
+                + f"; chain length best {ev['chain_best']:.2f} / marginal {ev['chain_marginal']:.2f}"
+                + (f" / gated {ev['chain_gated']:.2f} (gate picks the best mode {ev['gate_accuracy']:.1%})"
+                   if cfg.modes > 1 else ""))
             meta.update(wins=[0] * cfg.modes, loss_sum=0.0, loss_n=0)
             save()
         elif meta["step"] % cfg.save_every == 0:

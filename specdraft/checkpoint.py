@@ -61,3 +61,15 @@ def load_checkpoint(path: str | Path, target_hash: str | None = None, kind: str 
             f"(weights {target_hash[:12]}); train a drafter for this target"
         )
     return tensors, manifest
+
+
+def check_fits(cfg, target, path: str | Path) -> None:
+    """Raise SpecdraftError unless a drafter config (``hidden_size``, ``vocab_size``,
+    ``feature_layers``) fits ``target``: the checks every target-reading drafter shares."""
+    tcfg = target.config
+    if cfg.hidden_size != tcfg.hidden_size or cfg.vocab_size != tcfg.vocab_size:
+        raise SpecdraftError(f"checkpoint {path} does not fit the target (hidden size {cfg.hidden_size}, "
+                             f"vocabulary {cfg.vocab_size})")
+    bad = [x for x in cfg.feature_layers if not -1 <= x <= tcfg.num_layers]
+    if bad:
+        raise SpecdraftError(f"checkpoint {path} reads target layer {bad[0]}, which the target lacks")

@@ -10,6 +10,20 @@ from pathlib import Path
 from specdraft.errors import SpecdraftError
 
 
+def _add_trainer_args(p) -> None:
+    """Arguments `train hybrid` and `train block` share."""
+    p.add_argument("--data", required=True, help="data folder from `specdraft data build`")
+    p.add_argument("--features", required=True,
+                   help="feature folder from `specdraft data features --layers ...` holding the --layers")
+    p.add_argument("--draft-vocab", type=int, default=8192, help="LM-head rows drafted from (0 = all; default 8192)")
+    p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per batch")
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--shards", type=int, default=0, help="train on the first N data shards only (default all)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="checkpoint to write (.safetensors); re-run to resume")
+    p.add_argument("--quiet", action="store_true")
+
+
 def _add_target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct GGUF), a .gguf file or an HF folder")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -85,56 +99,38 @@ def build_parser() -> argparse.ArgumentParser:
     th = tsub.add_parser("hybrid", help="train a Gumiho hybrid drafter (Medusa: --serial 0, EAGLE-style: --parallel 0)")
     th.add_argument("--serial", type=int, default=2, help="draft positions from the serial decoder layers (default 2)")
     th.add_argument("--parallel", type=int, default=5, help="parallel MLP heads, one per later position (default 5)")
-    th.add_argument("--data", required=True, help="data folder from `specdraft data build`")
-    th.add_argument("--features", required=True,
-                    help="feature folder from `specdraft data features --layers ...` holding the --layers")
     th.add_argument("--layers", default="-1", help="target features the drafter reads, e.g. 3,15,27 (default -1 = final)")
     th.add_argument("--serial-layers", type=int, default=1, help="decoder layers of the serial part (default 1)")
     th.add_argument("--head-blocks", type=int, default=1, help="residual blocks per MLP head (default 1)")
-    th.add_argument("--draft-vocab", type=int, default=8192, help="LM-head rows drafted from (0 = all; default 8192)")
     th.add_argument("--epochs", type=int, default=4)
     th.add_argument("--anchors", type=int, default=64, help="positions sampled per sequence per epoch (0 = all)")
-    th.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per batch")
-    th.add_argument("--lr", type=float, default=6e-4)
     th.add_argument("--feature-loss", type=float, default=0.0,
                     help="weight of feature regression (SmoothL1) for the serial states (default 0: cross-entropy only)")
-    th.add_argument("--shards", type=int, default=0, help="train on the first N data shards only (default all)")
-    th.add_argument("--seed", type=int, default=0)
-    th.add_argument("--out", required=True, help="checkpoint to write (.safetensors); re-run to resume")
-    th.add_argument("--quiet", action="store_true")
+    _add_trainer_args(th)
     _add_target_args(th)
     tb = tsub.add_parser("block", help="train a block drafter: DFlash (--modes 1) or Multi-Future Drafting (--modes K)")
     tb.add_argument("--modes", type=int, default=1, help="K mode embeddings, blocks drafted per pass (default 1)")
-    tb.add_argument("--data", required=True, help="data folder from `specdraft data build`")
-    tb.add_argument("--features", required=True,
-                    help="feature folder from `specdraft data features --layers ...` holding the --layers")
     tb.add_argument("--layers", default="3,15,27", help="target features fused into the context (default 3,15,27)")
     tb.add_argument("--block-size", type=int, default=8, help="B: the root plus B-1 drafted positions (default 8)")
     tb.add_argument("--draft-layers", type=int, default=1, help="drafter decoder layers (default 1)")
-    tb.add_argument("--draft-vocab", type=int, default=8192, help="LM-head rows drafted from (0 = all; default 8192)")
     tb.add_argument("--epochs", type=int, default=1, help="passes over the training sequences (default 1)")
     tb.add_argument("--steps", type=int, default=0,
                     help="optimizer steps in all, overriding --epochs (give K=1 and K>1 runs the same steps)")
     tb.add_argument("--anchors", type=int, default=12, help="blocks per sequence and step (0 = every position; default 12)")
-    tb.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per batch")
-    tb.add_argument("--lr", type=float, default=6e-4)
     tb.add_argument("--gamma", type=float, default=4.0, help="depth j weighs exp(-(j-1)/gamma) in the loss (default 4)")
     tb.add_argument("--no-gate", action="store_true",
                     help="K > 1: train no mode gate (the mixture tree then weighs the modes equally)")
-    tb.add_argument("--shards", type=int, default=0, help="train on the first N data shards only (default all)")
-    tb.add_argument("--seed", type=int, default=0)
-    tb.add_argument("--out", required=True, help="checkpoint to write (.safetensors); re-run to resume")
-    tb.add_argument("--quiet", action="store_true")
+    _add_trainer_args(tb)
     _add_target_args(tb)
 
-    tp = tsub.add_parser("profile", help="measure a trained drafter's tokens per pass and drafting time per node "
+    tpr = tsub.add_parser("profile", help="measure a trained drafter's tokens per pass and drafting time per node "
                          "budget on its held-out training responses and store them in the checkpoint, so that it "
                          "picks each machine's best budget from the cost curve")
-    tp.add_argument("checkpoint", help="a block / mfd checkpoint (.safetensors), rewritten in place")
-    tp.add_argument("--data", required=True, help="the data folder it was trained on")
-    tp.add_argument("--max-seqs", type=int, default=32, help="held-out sequences replayed (default 32)")
-    tp.add_argument("--quiet", action="store_true")
-    _add_target_args(tp)
+    tpr.add_argument("checkpoint", help="a block / mfd checkpoint (.safetensors), rewritten in place")
+    tpr.add_argument("--data", required=True, help="the data folder it was trained on")
+    tpr.add_argument("--max-seqs", type=int, default=32, help="held-out sequences replayed (default 32)")
+    tpr.add_argument("--quiet", action="store_true")
+    _add_target_args(tpr)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat/completions, completions, models, health)")
     _add_target_args(sv)

@@ -84,3 +84,24 @@ def tiny_chat_target(tmp_path_factory, default_weights):
     model.save_pretrained(path, safe_serialization=True)
     w = load_hf_folder(path)
     return Target(build_model(w), tokenizer=load_tokenizer(default_weights), name="tiny-chat", weight_hash=w.weight_hash)
+
+
+TRAIN_PROMPTS = ["What is 17 * 23? Think step by step.", "Write a Python function that reverses a string.",
+                 "Tell me about the United States of America.", "List three colours.",
+                 "Explain recursion in one sentence.", "What is the capital of France?"]
+
+
+@pytest.fixture(scope="session")
+def tiny_train_data(tiny_chat_target, tmp_path_factory):
+    """Training data of the tiny chat target on real prompts (responses, and features of layers 1
+    and final), shared read-only by the hybrid and block trainer tests."""
+    from specdraft.model.llama import FINAL
+    from specdraft.train import data as D
+    from specdraft.train.prompts import Prompt
+
+    root = tmp_path_factory.mktemp("train_data")
+    prompts = [Prompt(id=i, source="gsm", text=f"{t} (variant {i})") for i, t in enumerate(TRAIN_PROMPTS * 2)]
+    cfg = D.BuildConfig(n_prompts=len(prompts), max_new_tokens=32, batch_size=6, shard_size=5, sources=("gsm",))
+    D.build_data(tiny_chat_target, root / "data", cfg, quiet=True, prompts=prompts)
+    D.cache_features(tiny_chat_target, root / "data", root / "feat", (1, FINAL), quiet=True)
+    return root

@@ -146,21 +146,6 @@ def test_random_drafters_are_lossless_with_every_tree(tiny_chat_target, modes, g
                 assert generate(t, ids, d, GenerateConfig(max_new_tokens=20)).token_ids == ref, (modes, tree, budget)
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tiny_chat_target, tmp_path_factory):
-    """Training data of the tiny chat target on real prompts (responses and features)."""
-    from specdraft.train import data as D
-    from specdraft.train.prompts import Prompt
-
-    root = tmp_path_factory.mktemp("block")
-    texts = PROMPTS + ["List three colours.", "Explain recursion in one sentence.", "What is the capital of France?"]
-    prompts = [Prompt(id=i, source="gsm", text=f"{t} (variant {i})") for i, t in enumerate(texts * 2)]
-    cfg = D.BuildConfig(n_prompts=len(prompts), max_new_tokens=32, batch_size=6, shard_size=5, sources=("gsm",))
-    D.build_data(tiny_chat_target, root / "data", cfg, quiet=True, prompts=prompts)
-    D.cache_features(tiny_chat_target, root / "data", root / "feat", (1, FINAL), quiet=True)
-    return root
-
-
 def _train(target, root, out, modes=1, log=lambda *a: None, **kw):
     base = dict(modes=modes, draft_layers=1, block_size=5, feature_layers=(1, FINAL), draft_vocab=256, epochs=6,
                 anchors=8, batch_tokens=256, lr=3e-3, holdout=0.2)
@@ -169,10 +154,10 @@ def _train(target, root, out, modes=1, log=lambda *a: None, **kw):
 
 
 @pytest.fixture(scope="module")
-def trained(tiny_chat_target, tiny_run, tmp_path_factory):
+def trained(tiny_chat_target, tiny_train_data, tmp_path_factory):
     """Tiny drafters trained briefly, K = 1 and K = 3, with the same steps."""
     root = tmp_path_factory.mktemp("block_ckpt")
-    return {k: (root / f"k{k}.safetensors", _train(tiny_chat_target, tiny_run, root / f"k{k}.safetensors", modes=k))
+    return {k: (root / f"k{k}.safetensors", _train(tiny_chat_target, tiny_train_data, root / f"k{k}.safetensors", modes=k))
             for k in (1, 3)}
 
 
@@ -244,12 +229,12 @@ def test_corrupt_mismatched_and_missing_checkpoints(tiny_chat_target, tiny_llama
             make_drafter(name, tiny_chat_target)
 
 
-def test_training_resumes_to_the_same_weights(tiny_chat_target, tiny_run, tmp_path, monkeypatch):
+def test_training_resumes_to_the_same_weights(tiny_chat_target, tiny_train_data, tmp_path, monkeypatch):
     from specdraft.checkpoint import load_checkpoint
 
     kw = dict(modes=2, epochs=2, save_every=3)
     ref = tmp_path / "ref.safetensors"
-    _train(tiny_chat_target, tiny_run, ref, **kw)
+    _train(tiny_chat_target, tiny_train_data, ref, **kw)
     out = tmp_path / "cut.safetensors"
     state = TB.state_path(out)
     real = TB.forward_blocks
@@ -263,11 +248,11 @@ def test_training_resumes_to_the_same_weights(tiny_chat_target, tiny_run, tmp_pa
 
     monkeypatch.setattr(TB, "forward_blocks", interrupt)
     with pytest.raises(KeyboardInterrupt):
-        _train(tiny_chat_target, tiny_run, out, **kw)
+        _train(tiny_chat_target, tiny_train_data, out, **kw)
     monkeypatch.setattr(TB, "forward_blocks", real)
     assert not out.exists() and state.is_file()
     lines: list[str] = []
-    m = _train(tiny_chat_target, tiny_run, out, log=lines.append, **kw)
+    m = _train(tiny_chat_target, tiny_train_data, out, log=lines.append, **kw)
     assert any("resuming" in x and "at step 3 " in x for x in lines), lines  # from the mid-run save
     a, _ = load_checkpoint(ref)
     b, _ = load_checkpoint(out)
@@ -275,7 +260,7 @@ def test_training_resumes_to_the_same_weights(tiny_chat_target, tiny_run, tmp_pa
     assert len(m["history"]) == 2 and not state.exists()
 
 
-def test_budget_profile_is_stored_and_picks_the_budget(tiny_chat_target, tiny_run, trained, tmp_path, monkeypatch):
+def test_budget_profile_is_stored_and_picks_the_budget(tiny_chat_target, tiny_train_data, trained, tmp_path, monkeypatch):
     """`specdraft train profile`: held-out tokens per pass and drafting time per budget go into the
     manifest; a drafter loaded without a budget then picks it from the machine's cost curve."""
     import shutil
@@ -287,7 +272,7 @@ def test_budget_profile_is_stored_and_picks_the_budget(tiny_chat_target, tiny_ru
     path = tmp_path / "k3.safetensors"
     shutil.copy(trained[3][0], path)
     before, _ = load_checkpoint(path)
-    prof = add_budget_profile(tiny_chat_target, path, tiny_run / "data", budgets=(1, 2, 4, 8))
+    prof = add_budget_profile(tiny_chat_target, path, tiny_train_data / "data", budgets=(1, 2, 4, 8))
     tensors, manifest = load_checkpoint(path)
     assert set(tensors) == set(before) and all(torch.equal(tensors[k], before[k]) for k in tensors)  # weights kept
     assert manifest["acceptance_by_budget"] == prof["tokens_per_pass"] and set(prof["draft_ms"]) == {"1", "2", "4", "8"}
@@ -303,6 +288,6 @@ def test_budget_profile_is_stored_and_picks_the_budget(tiny_chat_target, tiny_ru
     assert make_drafter(str(path), tiny_chat_target).opts.budget == 1
     with pytest.raises(SpecdraftError, match="not the data this drafter was trained on"):
         other = tmp_path / "other"
-        shutil.copytree(tiny_run / "data", other)
+        shutil.copytree(tiny_train_data / "data", other)
         (other / "manifest.json").write_text((other / "manifest.json").read_text().replace("}", ', "x": 1}', 1))
         add_budget_profile(tiny_chat_target, path, other)

@@ -156,21 +156,6 @@ def test_random_drafters_are_lossless_on_real_prompts(tiny_chat_target):
                 assert generate(t, ids, d, GenerateConfig(max_new_tokens=24)).token_ids == ref, (kind, budget)
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tiny_chat_target, tmp_path_factory):
-    """Training data of the tiny chat target on real prompts (responses and features)."""
-    from specdraft.train import data as D
-    from specdraft.train.prompts import Prompt
-
-    root = tmp_path_factory.mktemp("hybrid")
-    texts = PROMPTS + ["List three colours.", "Explain recursion in one sentence.", "What is the capital of France?"]
-    prompts = [Prompt(id=i, source="gsm", text=f"{t} (variant {i})") for i, t in enumerate(texts * 2)]
-    cfg = D.BuildConfig(n_prompts=len(prompts), max_new_tokens=32, batch_size=6, shard_size=5, sources=("gsm",))
-    D.build_data(tiny_chat_target, root / "data", cfg, quiet=True, prompts=prompts)
-    D.cache_features(tiny_chat_target, root / "data", root / "feat", (1, FINAL), quiet=True)
-    return root
-
-
 def _train(target, root, out, kind="gumiho", epochs=2, **kw):
     s, m = CONFIGS[kind]
     cfg = H.TrainConfig(serial=s, parallel=m, feature_layers=(1, FINAL), draft_vocab=256, epochs=epochs,
@@ -178,11 +163,11 @@ def _train(target, root, out, kind="gumiho", epochs=2, **kw):
     return H.train_hybrid(target, root / "data", root / "feat", out, cfg, quiet=True, log=lambda *a: None)
 
 
-def test_trained_tiny_drafters_are_lossless_and_accept_drafts(tiny_chat_target, tiny_run, tmp_path):
+def test_trained_tiny_drafters_are_lossless_and_accept_drafts(tiny_chat_target, tiny_train_data, tmp_path):
     t = tiny_chat_target
     for kind in CONFIGS:
         path = tmp_path / f"{kind}.safetensors"
-        m = _train(t, tiny_run, path, kind=kind, epochs=6, feature_loss=0.1 if kind != "medusa" else 0.0)
+        m = _train(t, tiny_train_data, path, kind=kind, epochs=6, feature_loss=0.1 if kind != "medusa" else 0.0)
         assert m["kind"] == "hybrid" and m["drafter"] == kind
         assert m["history"][-1]["train_loss"] < m["history"][0]["train_loss"]
         tpp = []
@@ -201,7 +186,7 @@ def test_trained_tiny_drafters_are_lossless_and_accept_drafts(tiny_chat_target, 
 # ---------------------------------------------------------------------------- checkpoints and training
 
 
-def test_corrupt_mismatched_and_missing_checkpoints(tiny_chat_target, tiny_llama, tiny_run, tmp_path):
+def test_corrupt_mismatched_and_missing_checkpoints(tiny_chat_target, tiny_llama, tiny_train_data, tmp_path):
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"\x00garbage" * 10)
     with pytest.raises(SpecdraftError, match="corrupt|not a specdraft"):
@@ -211,7 +196,7 @@ def test_corrupt_mismatched_and_missing_checkpoints(tiny_chat_target, tiny_llama
     with pytest.raises(SpecdraftError, match="corrupt"):
         load_model(tiny_chat_target, bad)
     good = tmp_path / "g.safetensors"
-    _train(tiny_chat_target, tiny_run, good, kind="medusa", epochs=1)
+    _train(tiny_chat_target, tiny_train_data, good, kind="medusa", epochs=1)
     with pytest.raises(SpecdraftError, match="trained for target"):
         make_drafter(str(good), tiny_llama[1])
     with pytest.raises(SpecdraftError, match="has no option 'top_n'"):
@@ -225,11 +210,11 @@ def test_corrupt_mismatched_and_missing_checkpoints(tiny_chat_target, tiny_llama
             make_drafter("gumiho", tiny_chat_target)
 
 
-def test_training_resumes_to_the_same_weights(tiny_chat_target, tiny_run, tmp_path, monkeypatch):
+def test_training_resumes_to_the_same_weights(tiny_chat_target, tiny_train_data, tmp_path, monkeypatch):
     from specdraft.checkpoint import load_checkpoint
 
     ref = tmp_path / "ref.safetensors"
-    _train(tiny_chat_target, tiny_run, ref, feature_loss=0.1)
+    _train(tiny_chat_target, tiny_train_data, ref, feature_loss=0.1)
     out = tmp_path / "cut.safetensors"
     state = H.state_path(out)
     real = H.losses
@@ -241,10 +226,10 @@ def test_training_resumes_to_the_same_weights(tiny_chat_target, tiny_run, tmp_pa
 
     monkeypatch.setattr(H, "losses", interrupt_in_epoch_2)
     with pytest.raises(KeyboardInterrupt):
-        _train(tiny_chat_target, tiny_run, out, feature_loss=0.1)
+        _train(tiny_chat_target, tiny_train_data, out, feature_loss=0.1)
     monkeypatch.setattr(H, "losses", real)
     assert not out.exists() and state.is_file()
-    m = _train(tiny_chat_target, tiny_run, out, feature_loss=0.1)
+    m = _train(tiny_chat_target, tiny_train_data, out, feature_loss=0.1)
     a, _ = load_checkpoint(ref)
     b, _ = load_checkpoint(out)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -314,7 +314,7 @@ class BlockDrafter:
             tokens, logp = self.marginals(k)
             return mixture_tree(self.root, tokens, logp, budget, prior=prior if self.cfg.gate else None).tree
         lp = self.block_logp()  # [K, D, V']: the product tree over the modes' mixture sum_k pi_k q_k
-        avg = torch.logsumexp(lp + prior[:, None, None], 0)  # [D, V']
+        avg = lp[0] if lp.shape[0] == 1 else torch.logsumexp(lp + prior[:, None, None], 0)  # [D, V']
         top = avg.topk(min(k, avg.shape[-1]), -1)
         return ddtree(self.root, self.model.vocab_ids[top.indices], top.values, budget).tree
 
@@ -325,18 +325,12 @@ class BlockDrafter:
 def load_model(target, path: str | Path) -> tuple[BlockModel, dict]:
     """A trained ``BlockModel`` for ``target`` from a checkpoint (clear errors for the wrong target,
     a corrupt file or one of another kind)."""
-    from specdraft.checkpoint import load_checkpoint
+    from specdraft.checkpoint import check_fits, load_checkpoint
 
     tensors, manifest = load_checkpoint(path, target_hash=target.weight_hash, kind="block")
-    tcfg = target.config
     try:
         cfg = BlockConfig.from_json(manifest["config"])
-        if cfg.hidden_size != tcfg.hidden_size or cfg.vocab_size != tcfg.vocab_size:
-            raise SpecdraftError(f"checkpoint {path} does not fit the target (hidden size {cfg.hidden_size}, "
-                                 f"vocabulary {cfg.vocab_size})")
-        bad = [x for x in cfg.feature_layers if not -1 <= x <= tcfg.num_layers]
-        if bad:
-            raise SpecdraftError(f"checkpoint {path} reads target layer {bad[0]}, which the target lacks")
+        check_fits(cfg, target, path)
         tm = target.model
         model = BlockModel(cfg, tm.embed.weight, tm.lm_head.weight, tensors["vocab_ids"].to(tm.embed.weight.device))
         model.load_state_dict(tensors)

@@ -448,18 +448,12 @@ class HybridDrafter:
 def load_model(target, path: str | Path) -> tuple[HybridModel, dict]:
     """A trained ``HybridModel`` for ``target`` from a checkpoint (clear errors for the wrong target,
     a corrupt file or one of another kind)."""
-    from specdraft.checkpoint import load_checkpoint
+    from specdraft.checkpoint import check_fits, load_checkpoint
 
     tensors, manifest = load_checkpoint(path, target_hash=target.weight_hash, kind="hybrid")
-    tcfg = target.config
     try:
         cfg = HybridConfig.from_json(manifest["config"])
-        if cfg.hidden_size != tcfg.hidden_size or cfg.vocab_size != tcfg.vocab_size:
-            raise SpecdraftError(f"checkpoint {path} does not fit the target (hidden size {cfg.hidden_size}, "
-                                 f"vocabulary {cfg.vocab_size})")
-        bad = [x for x in cfg.feature_layers if not -1 <= x <= tcfg.num_layers]
-        if bad:
-            raise SpecdraftError(f"checkpoint {path} reads target layer {bad[0]}, which the target lacks")
+        check_fits(cfg, target, path)
         tm = target.model
         model = HybridModel(cfg, tm.embed.weight, tm.lm_head.weight, tensors["vocab_ids"].to(tm.embed.weight.device))
         model.load_state_dict(tensors)

@@ -38,8 +38,7 @@ from torch import Tensor
 from specdraft.drafters.block import BlockConfig, BlockModel
 from specdraft.errors import SpecdraftError
 from specdraft.train.data import manifest_sha256
-from specdraft.train.hybrid import Batch, Corpus, draft_vocabulary, load_corpus, make_batch, plan_epoch, token_at
-from specdraft.train.phrase import held_out
+from specdraft.train.hybrid import Batch, Corpus, load_corpus, make_batch, plan_epoch, split_and_vocabulary, token_at
 from specdraft.train.state import fingerprint_of, load_state, save_state, state_path
 
 
@@ -248,15 +247,8 @@ def train_block(target, data_dir: str | Path, feat_dir: str | Path, out: str | P
     n_seq = len(corpus.tokens)
     if n_seq < 2:
         raise SpecdraftError(f"{data_dir} holds {n_seq} sequence(s); training needs at least 2 (one held out)")
-    val_ids = sorted(held_out(n_seq, cfg.seed, cfg.holdout))
-    held = set(val_ids)
-    train_ids = [k for k in range(n_seq) if k not in held]
-    vocab_ids = draft_vocabulary(corpus, train_ids, cfg.draft_vocab, tcfg.vocab_size, target.eos_ids)
-    t2d = torch.full((tcfg.vocab_size,), -100, dtype=torch.long)
-    t2d[vocab_ids] = torch.arange(len(vocab_ids))
-    t2d = t2d.to(dev)
-    resp = [t for k in train_ids for t in corpus.tokens[k][corpus.prompt_len[k]:]]
-    covered = float((t2d[torch.tensor(resp, device=dev)] >= 0).float().mean()) if resp else 0.0
+    train_ids, val_ids, vocab_ids, t2d, covered = split_and_vocabulary(corpus, cfg.seed, cfg.holdout, cfg.draft_vocab,
+                                                                       target)
 
     torch.manual_seed(cfg.seed)
     tm = target.model

@@ -203,7 +203,7 @@ def modes_mask(modes: int, block: int, context: int, device=None) -> Tensor | No
 class BlockDraftConfig:
     tree: str = "ddtree"  # linear (DFlash) | ddtree (product) | mixture (MFD best-mode)
     topk: int = 16  # candidates per depth (per mode) handed to the tree search, capped by the budget
-    budget: int = 12  # drafted nodes per tree when no measured profile says otherwise
+    budget: int = 12  # drafted nodes per tree when no measured profile says otherwise (4 on a CPU, see load_block)
 
 
 class BlockDrafter:
@@ -387,7 +387,10 @@ def load_block(target, name: str, path: str | Path | None = None, budget: int | 
     if budget is None:
         from specdraft.bench.cost import best_budget, load_cost_curve
 
-        budget = best_budget(load_cost_curve(target), manifest.get("acceptance_by_budget", {}), cfg.budget,
+        # without a measured cost curve: 4 nodes on a CPU (a pass grows with its tokens there; the
+        # best budget measured on a 2-core CPU), cfg.budget on a GPU (where 13 tokens cost about one)
+        fallback = 4 if target.device.type == "cpu" else cfg.budget
+        budget = best_budget(load_cost_curve(target), manifest.get("acceptance_by_budget", {}), fallback,
                              manifest.get("budget_profile", {}).get("draft_ms"))
     cfg.budget = budget
     return BlockDrafter(model, cfg, name=name if shipped else None, manifest=manifest)

@@ -141,12 +141,12 @@ def wta_loss(out: BlockOut, w: Tensor, shares: Tensor, cfg: TrainConfig) -> tupl
     s = (out.ce * w).sum(-1)  # [N, K]
     ws = (out.ok * w).sum(-1)  # [N]
     k = s.shape[1]
-    score = s.detach() / ws[:, None] + cfg.balance * torch.log(k * shares.clamp(min=1e-3))
-    win = score.argmin(1)
+    per_mode = s.detach() / ws[:, None]  # [N, K] each mode's weighted mean cross-entropy
+    win = (per_mode + cfg.balance * torch.log(k * shares.clamp(min=1e-3))).argmin(1)
     per_block = (1 - cfg.wta_mean) * s.gather(1, win[:, None])[:, 0] + cfg.wta_mean * s.mean(1)
     loss = per_block.sum() / ws.sum()
     if k > 1 and cfg.gate:  # the gate learns which mode wins (the block's own best, without the balance term)
-        loss = loss + cfg.gate_weight * F.nll_loss(out.gate, (s.detach() / ws[:, None]).argmin(1))
+        loss = loss + cfg.gate_weight * F.nll_loss(out.gate, per_mode.argmin(1))
     return loss, win
 
 

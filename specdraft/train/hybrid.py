@@ -115,16 +115,21 @@ def load_corpus(data_dir: str | Path, feat_dir: str | Path, layers: tuple[int, .
         {**manifest, "shards_used": len(use)}
 
 
-def split_and_vocabulary(corpus: Corpus, seed: int, holdout: float, size: int, target):
-    """What the hybrid and block trainers share: the held-out split (the first ``holdout`` share of a
-    seeded permutation, as ``specdraft.train.phrase.held_out``; at least one sequence on each side),
-    the draft vocabulary of the training responses, the target-id -> draft-index map (-100 outside,
-    on the target's device) and the share of training response tokens it covers.
-    Returns (train_ids, val_ids, vocab_ids, t2d, coverage)."""
-    n_seq = len(corpus.tokens)
+def held_out_split(n_seq: int, seed: int, holdout: float) -> tuple[list[int], list[int]]:
+    """(train_ids, val_ids) of the hybrid and block trainers (and of a budget profile, which must
+    replay the same held-out sequences): the first ``holdout`` share of a seeded permutation, at
+    least one sequence on each side."""
     n_held = min(n_seq - 1, max(1, int(n_seq * holdout))) if n_seq > 1 else 0
     perm = torch.randperm(n_seq, generator=torch.Generator().manual_seed(seed)).tolist()
-    val_ids, train_ids = sorted(perm[:n_held]), sorted(perm[n_held:])
+    return sorted(perm[n_held:]), sorted(perm[:n_held])
+
+
+def split_and_vocabulary(corpus: Corpus, seed: int, holdout: float, size: int, target):
+    """What the hybrid and block trainers share: the held-out split (``held_out_split``), the draft
+    vocabulary of the training responses, the target-id -> draft-index map (-100 outside, on the
+    target's device) and the share of training response tokens it covers.
+    Returns (train_ids, val_ids, vocab_ids, t2d, coverage)."""
+    train_ids, val_ids = held_out_split(len(corpus.tokens), seed, holdout)
     vocab_size = target.config.vocab_size
     vocab_ids = draft_vocabulary(corpus, train_ids, size, vocab_size, target.eos_ids)
     t2d = torch.full((vocab_size,), -100, dtype=torch.long)

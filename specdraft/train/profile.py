@@ -23,7 +23,7 @@ PROFILE_BUDGETS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 63)  # 63: the large
 def held_out_sequences(data_dir: str | Path, manifest: dict, max_seqs: int) -> tuple[list[list[int]], list[list[int]]]:
     """(prompts, responses) of the first ``max_seqs`` held-out sequences of the checkpoint's training run."""
     from specdraft.train.data import load_sequences, manifest_sha256, read_manifest
-    from specdraft.train.phrase import held_out
+    from specdraft.train.hybrid import held_out_split
 
     train, data = manifest.get("train", {}), manifest.get("data", {})
     if "seed" not in train or "holdout" not in train or "sequences" not in data:
@@ -34,7 +34,7 @@ def held_out_sequences(data_dir: str | Path, manifest: dict, max_seqs: int) -> t
             manifest_sha256(dm), manifest_sha256({**dm, "shards_used": data.get("shards")})):  # as the trainer hashed it
         raise SpecdraftError(f"{data_dir} is not the data this drafter was trained on (its manifest differs)")
     seqs = load_sequences(data_dir)[: data["sequences"]]
-    held = sorted(held_out(len(seqs), train["seed"], train["holdout"]))[:max_seqs]
+    held = held_out_split(len(seqs), train["seed"], train["holdout"])[1][:max_seqs]  # the trainer's own split
     return [seqs[i].tokens[: seqs[i].prompt_len] for i in held], [seqs[i].tokens[seqs[i].prompt_len :] for i in held]
 
 

@@ -128,6 +128,35 @@ def test_marginals_shapes_and_sorting(tiny_llama):
     assert torch.allclose(logp[..., 0], full.max(-1).values)
     assert torch.allclose(full.exp().sum(-1), torch.ones(3, 5), atol=1e-5)
     assert d.marginals(100)[0].shape == (3, 5, 40)  # capped at the draft vocabulary
+    # the first positions only (what a small tree needs): the same numbers as the full block's
+    d.reset(seq[:11], seq[11], ForwardOutput(None, hid))
+    short = d.block_logp(2)
+    assert short.shape == (3, 2, 40)
+    torch.testing.assert_close(short, full[:, :2])
+    assert d.block_logp().shape == (3, 5, 40) and d.marginals(3, depth=4)[0].shape == (3, 4, 3)
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU has no native bfloat16")
+def test_prepacked_bf16_drafter_drafts_the_same(tiny_llama):
+    """bfloat16 drafting with weights oneDNN packed once gives the unpacked bfloat16 numbers."""
+    _, target, _ = tiny_llama
+    model = _random_model(target, 3, block=6, vocab=40, gate=True).to(torch.bfloat16)
+    seq = torch.randint(2, 96, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    from specdraft.bench.simulate import sequence_hidden
+
+    hid = sequence_hidden(target, seq, (1, FINAL))
+    outs = []
+    for pack in (False, True):
+        if pack:
+            assert model.prepack() and model._head is not None
+            assert not any(type(m) is torch.nn.Linear for m in model.modules())
+        d = BlockDrafter(model)
+        d.reset(seq[:11], seq[11], ForwardOutput(None, hid))
+        outs.append((d.block_logp(), d.mode_prior(), [c[0][:, :, : d.n].clone() for c in d.cache]))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-2, atol=1e-2)
+    for a, b in zip(outs[0][2], outs[1][2]):
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
 
 
 # ---------------------------------------------------------------------------- lossless decoding

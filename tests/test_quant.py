@@ -74,3 +74,32 @@ def test_default_target_uses_the_blocks_and_decodes_the_same(default_weights):
         outs.append([generate(t, t.encode_prompt(p), NoDrafter(), GenerateConfig(max_new_tokens=40)).token_ids
                      for p in ("What is 12 * 7?", "Name three colours.")])
     assert outs[0] == outs[1]
+
+
+def test_fused_blocks_are_bit_identical_to_the_python_blocks(default_target, monkeypatch):
+    """The one-op C++ decoder block replays the Python block's ATen ops: prefill, a tree pass
+    (mask) and the features drafters read are equal to the last bit, and the fused op really runs."""
+    from specdraft.model import llama
+    from specdraft.tree import Tree
+
+    t = default_target
+    ids = t.encode_prompt("Write a Python function that checks whether a number is prime.")
+    if len(ids) <= quant.QUANT_ROWS:
+        ids = ids * 3
+    fused_op = torch.ops.specdraft_quant.block
+
+    def run(fused: bool):
+        monkeypatch.setattr(llama, "FUSED_BLOCKS", fused)
+        pre = t.prefill(ids, max_slots=len(ids) + 16, hidden_layers=(3, 15, llama.FINAL))
+        tree = Tree(tokens=[int(pre.logits[0, -1].argmax()), 5, 7, 9, 11], parents=[-1, 0, 1, 0, 3])
+        return pre, t.forward_tree(tree, hidden_layers=(3, 15, llama.FINAL))
+
+    ref = run(False)
+    calls = []
+    monkeypatch.setattr(torch.ops.specdraft_quant, "block", lambda *a: calls.append(1) or fused_op(*a), raising=False)
+    got = run(True)
+    # the tree pass is fused; a prefill of more than QUANT_ROWS tokens takes the fp32 matmul instead
+    assert len(calls) == t.config.num_layers * (1 + (len(ids) <= quant.QUANT_ROWS))
+    for a, b in zip(ref, got):
+        assert torch.equal(a.logits, b.logits)
+        assert all(torch.equal(a.hidden[k], b.hidden[k]) for k in a.hidden)

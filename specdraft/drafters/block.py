@@ -129,6 +129,21 @@ class BlockModel(nn.Module):
         self.mode_emb = nn.Parameter(torch.randn(cfg.modes, h) * std)  # [K, H]
         if cfg.gate:
             self.gate = nn.Linear(h, 1, bias=False)  # score of mode k = w . (final state of mode k's root row)
+        self._head = None  # PackedWeight of head_w once prepack() ran
+        self._kv: list | None = None  # per layer PackedWeight of the K/V rows of wqkv
+
+    def prepack(self) -> bool:
+        """Inference on a bfloat16 CPU: let oneDNN reorder every weight once (``model.packed``)
+        instead of on every call.  Returns whether it did."""
+        from specdraft.model.packed import PackedWeight, available, pack_linears
+
+        if not available(self.head_w):
+            return False
+        pack_linears(self)
+        self._head = PackedWeight(self.head_w)
+        q_rows = self.cfg.num_heads * self.cfg.head_dim
+        self._kv = [PackedWeight(layer.wqkv.weight[q_rows:]) for layer in self.layers]
+        return True
 
     def n_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -152,8 +167,9 @@ class BlockModel(nn.Module):
         rot = self.rotation(positions)
         q_rows = cfg.num_heads * cfg.head_dim
         out = []
-        for layer in self.layers:
-            kv = (c @ layer.wqkv.weight[q_rows:].T).unflatten(-1, (2 * cfg.num_kv_heads, cfg.head_dim))  # [B, T, 2 Hkv, D]
+        for i, layer in enumerate(self.layers):
+            kv = c @ layer.wqkv.weight[q_rows:].T if self._kv is None else self._kv[i](c)
+            kv = kv.unflatten(-1, (2 * cfg.num_kv_heads, cfg.head_dim))  # [B, T, 2 Hkv, D]
             k, v = kv[:, :, : cfg.num_kv_heads], kv[:, :, cfg.num_kv_heads :]
             out.append((rope(k, rot).transpose(1, 2), v.transpose(1, 2)))
         return out
@@ -183,7 +199,8 @@ class BlockModel(nn.Module):
 
     def logits(self, h: Tensor) -> Tensor:
         """[..., H] -> [..., V'] scores over the draft vocabulary (frozen LM-head rows)."""
-        return F.linear(h.reshape(-1, h.shape[-1]), self.head_w).view(*h.shape[:-1], -1)  # one matmul, not a batched one
+        h2 = h.reshape(-1, h.shape[-1])  # one matmul, not a batched one
+        return (F.linear(h2, self.head_w) if self._head is None else self._head(h2)).view(*h.shape[:-1], -1)
 
 
 def modes_mask(modes: int, block: int, context: int, device=None) -> Tensor | None:
@@ -273,10 +290,12 @@ class BlockDrafter:
 
     # ------------------------------------------------------------------ drafting
     @torch.inference_mode()
-    def block_logp(self) -> Tensor:
-        """Log-probabilities [K, D, V'] over the draft vocabulary of the next block (all K modes in
-        one pass over the shared context)."""
-        if self._logp is None:
+    def block_logp(self, depth: int | None = None) -> Tensor:
+        """Log-probabilities [K, depth, V'] over the draft vocabulary of the next block's first
+        ``depth`` positions (default all D; all K modes in one pass over the shared context).  A
+        tree of budget b never goes deeper than b, so propose scores only min(D, b) rows."""
+        depth = self.cfg.depth if depth is None else max(1, min(depth, self.cfg.depth))
+        if self._logp is None or self._logp.shape[1] < depth:
             m, cfg, n = self.model, self.cfg, self.n
             dev = m.head_w.device
             x = m.block_inputs(torch.tensor([self.root], device=dev))  # [1, K, B, H]
@@ -284,36 +303,38 @@ class BlockDrafter:
             ctx = [(k[:, :, :n], v[:, :, :n]) for k, v in self.cache]
             h = m.run_blocks(x.flatten(1, 2), pos, modes_mask(cfg.modes, cfg.block_size, n, dev), ctx)
             h = h.view(cfg.modes, cfg.block_size, -1)  # [K, B, H]: row 0 = the root, rows 1 .. B-1 draft positions 1 .. D
-            self._logp = torch.log_softmax(m.logits(h[:, 1:]).float(), -1)
+            self._logp = torch.log_softmax(m.logits(h[:, 1 : depth + 1]).float(), -1)
             self._prior = m.mode_logp(h[:, 0])
-        return self._logp
+        return self._logp[:, :depth]
 
     def mode_prior(self) -> Tensor:
         """log pi_k [K] of the next block: the gate's (uniform for an ungated drafter)."""
-        self.block_logp()
+        if self._logp is None:
+            self.block_logp()
         return self._prior
 
-    def marginals(self, k: int) -> tuple[Tensor, Tensor]:
+    def marginals(self, k: int, depth: int | None = None) -> tuple[Tensor, Tensor]:
         """Per mode and depth the top-k draft tokens (target ids) and their log-probabilities, sorted
-        descending: (tokens LongTensor [K, D, k], logp FloatTensor [K, D, k])."""
-        top = self.block_logp().topk(min(k, self.model.head_w.shape[0]), -1)
+        descending: (tokens LongTensor [K, depth, k], logp FloatTensor [K, depth, k]; depth default D)."""
+        top = self.block_logp(depth).topk(min(k, self.model.head_w.shape[0]), -1)
         return self.model.vocab_ids[top.indices], top.values
 
     def propose(self, budget: int) -> Tree:
         if budget <= 0:
             return Tree.single(self.root)
         k = min(self.opts.topk, budget)
+        depth = min(self.cfg.depth, budget)  # no path of a budget-b tree is longer than b
+        self.block_logp(depth)
         prior = self.mode_prior()  # [K]
         if self.opts.tree == "linear":
-            tokens, logp = self.marginals(1)  # [K, D, 1]
-            depth = min(self.cfg.depth, budget)
-            best = int((prior + logp[:, :depth, 0].sum(1)).argmax())  # the mode whose chain is most likely
-            chain = tokens[best, :depth, 0].tolist()
+            tokens, logp = self.marginals(1, depth)  # [K, depth, 1]
+            best = int((prior + logp[:, :, 0].sum(1)).argmax())  # the mode whose chain is most likely
+            chain = tokens[best, :, 0].tolist()
             return Tree(tokens=[self.root] + chain, parents=list(range(-1, depth)))
         if self.opts.tree == "mixture":
-            tokens, logp = self.marginals(k)
+            tokens, logp = self.marginals(k, depth)
             return mixture_tree(self.root, tokens, logp, budget, prior=prior if self.cfg.gate else None).tree
-        lp = self.block_logp()  # [K, D, V']: the product tree over the modes' mixture sum_k pi_k q_k
+        lp = self.block_logp(depth)  # [K, depth, V']: the product tree over the modes' mixture sum_k pi_k q_k
         avg = lp[0] if lp.shape[0] == 1 else torch.logsumexp(lp + prior[:, None, None], 0)  # [D, V']
         top = avg.topk(min(k, avg.shape[-1]), -1)
         return ddtree(self.root, self.model.vocab_ids[top.indices], top.values, budget).tree
@@ -381,6 +402,7 @@ def load_block(target, name: str, path: str | Path | None = None, budget: int | 
     model, manifest = load_model(target, path)
     if bf16 == "1" or (bf16 is None and native_bf16(target.device)):
         model = model.to(torch.bfloat16)  # the drafting matmuls read half the bytes (lossless: the target verifies)
+        model.prepack()  # and oneDNN reorders each weight once, not per call
     cfg = BlockDraftConfig(tree=tree or ("mixture" if model.cfg.modes > 1 else "ddtree"))
     if topk is not None:
         cfg.topk = topk

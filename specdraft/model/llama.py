@@ -14,6 +14,7 @@ with n = RMSNorm.  Q/K/V and gate/up projections are fused into one matmul each.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +23,7 @@ from torch import Tensor, nn
 
 from specdraft.model.config import ModelConfig
 
+FUSED_BLOCKS = os.environ.get("SPECDRAFT_FUSED", "1") != "0"  # see Block._fused; tests compare both paths
 FINAL = -1  # key of the final (normed) hidden state in ForwardOutput.hidden
 
 
@@ -149,6 +151,18 @@ class Block(nn.Module):
         self.w_gate_up = Linear(h, 2 * cfg.intermediate_size, bias=False)
         self.w_down = Linear(cfg.intermediate_size, h, bias=False)
 
+    def _fused(self, x: Tensor) -> bool:
+        """Whether the whole block runs as one C++ op (``model.quant``: the same ATen ops, bit-identical,
+        without the interpreter's per-op overhead): every projection on the quantized kernel for a
+        pass of this size, fp32 on the CPU, no q/k norm and no bias outside q/k/v."""
+        rows = x.numel() // x.shape[-1]
+        lins = (self.wqkv, self.wo, self.w_gate_up, self.w_down)
+        return (FUSED_BLOCKS and x.dtype == torch.float32 and not self.cfg.qk_norm and x.device.type == "cpu"
+                and all(m.quant is not None and rows <= m.quant_rows for m in lins)
+                and self.wo.bias is None and self.w_gate_up.bias is None and self.w_down.bias is None
+                and self.attn_norm.weight is None and self.mlp_norm.weight is None
+                and hasattr(torch.ops.specdraft_quant, "block"))
+
     def forward(self, x: Tensor, rot: Tensor, mask: Tensor | None, kv: Tensor, start: int) -> Tensor:
         # x: [B, T, H]; rot: complex [B, T, 1, D/2]; mask: additive [B, 1, G*T, start+T] (rows of
         # the G query heads per KV head, see Transformer.forward) or None (all visible);
@@ -156,6 +170,11 @@ class Block(nn.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         d, hq = cfg.head_dim, cfg.num_heads
+        if self._fused(x):
+            qkv, o, gu, dn = self.wqkv.quant, self.wo.quant, self.w_gate_up.quant, self.w_down.quant
+            return torch.ops.specdraft_quant.block(
+                x, qkv.blocks, qkv.kind, qkv.in_scale, self.wqkv.bias, o.blocks, o.kind, gu.blocks, gu.kind,
+                gu.in_scale, dn.blocks, dn.kind, rot, mask, kv, start, self.attn_norm.eps, hq, cfg.num_kv_heads, d)
         qkv = self.wqkv(self.attn_norm(x))  # [B, T, (Hq + 2 Hkv) * D]
         qk = qkv[..., : self.q_size + self.kv_size].unflatten(-1, (hq + cfg.num_kv_heads, d))
         if cfg.qk_norm:

@@ -39,6 +39,7 @@ _SOURCE = r"""
 #include <cstdint>
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <vector>
 #include <immintrin.h>
 
@@ -170,8 +171,54 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t kind) {
   return y;
 }
 
+// A quantized projection as model.quant.QuantWeight / llama.Linear compute it: x [..., K] (times the
+// folded RMSNorm weight ``scale``) -> [..., N] (+ bias).
+static at::Tensor qproj(const at::Tensor& x, const at::Tensor& w, int64_t kind, const std::optional<at::Tensor>& scale,
+                        const std::optional<at::Tensor>& bias) {
+  at::Tensor x2 = x.reshape({-1, x.size(-1)});
+  if (scale.has_value()) x2 = x2 * *scale;
+  auto sizes = x.sizes().vec();
+  sizes.back() = w.size(0);
+  at::Tensor y = qlinear(x2.contiguous(), w, kind).view(sizes);
+  return bias.has_value() ? y + *bias : y;
+}
+
+// RMSNorm without its weight (folded into the next projection), as llama.RMSNorm computes it in fp32.
+static at::Tensor rms(const at::Tensor& x, double eps) {
+  return x * at::rsqrt(at::add(at::square(x).mean({-1}, true), eps));
+}
+
+// One decoder block (llama.Block.forward) with every projection quantized: the same ATen ops in the
+// same order as the Python code, so the result is bit-identical; only the interpreter's per-op
+// overhead (a third of a pass of the default target) is gone.
+at::Tensor fused_block(const at::Tensor& x, const at::Tensor& wqkv, int64_t kqkv, const std::optional<at::Tensor>& s_attn,
+                 const std::optional<at::Tensor>& bqkv, const at::Tensor& wo, int64_t ko, const at::Tensor& wgu,
+                 int64_t kgu, const std::optional<at::Tensor>& s_mlp, const at::Tensor& wd, int64_t kd,
+                 const at::Tensor& rot, const std::optional<at::Tensor>& mask, const at::Tensor& kv, int64_t start,
+                 double eps, int64_t hq, int64_t hkv, int64_t d) {
+  const int64_t b = x.size(0), t = x.size(1), qs = hq * d, ks = hkv * d;
+  at::Tensor qkv = qproj(rms(x, eps), wqkv, kqkv, s_attn, bqkv);  // [B, T, (Hq + 2 Hkv) D]
+  at::Tensor qk = qkv.slice(-1, 0, qs + ks).unflatten(-1, {hq + hkv, d});
+  qk = at::view_as_real(at::view_as_complex(qk.unflatten(-1, {d / 2, 2})) * rot).flatten(-2);  // RoPE
+  at::Tensor q = qk.slice(2, 0, hq).transpose(1, 2), k = qk.slice(2, hq).transpose(1, 2);
+  at::Tensor v = qkv.slice(-1, qs + ks).view({b, t, hkv, d}).transpose(1, 2);
+  at::Tensor kc = kv.select(0, 0), vc = kv.select(0, 1);
+  kc.slice(2, start, start + t).copy_(k);
+  vc.slice(2, start, start + t).copy_(v);
+  const int64_t g = hq / hkv;
+  at::Tensor att = at::scaled_dot_product_attention(q.reshape({b, hkv, g * t, d}), kc.slice(2, 0, start + t),
+                                                    vc.slice(2, 0, start + t), mask);
+  att = att.reshape({b, hq, t, d});
+  at::Tensor y = x + qproj(att.transpose(1, 2).reshape({b, t, qs}), wo, ko, std::nullopt, std::nullopt);
+  auto gu = qproj(rms(y, eps), wgu, kgu, s_mlp, std::nullopt).chunk(2, -1);
+  return y + qproj(at::silu(gu[0]) * gu[1], wd, kd, std::nullopt, std::nullopt);
+}
+
 TORCH_LIBRARY(specdraft_quant, lib) {
   lib.def("qlinear(Tensor x, Tensor w, int kind) -> Tensor", &qlinear);
+  lib.def("block(Tensor x, Tensor wqkv, int kqkv, Tensor? s_attn, Tensor? bqkv, Tensor wo, int ko, Tensor wgu, "
+          "int kgu, Tensor? s_mlp, Tensor wd, int kd, Tensor rot, Tensor? mask, Tensor(a!) kv, int start, float eps, "
+          "int hq, int hkv, int d) -> Tensor", &fused_block);
 }
 """
 

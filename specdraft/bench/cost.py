@@ -20,10 +20,14 @@ from specdraft.model.load import cache_dir
 from specdraft.tree import Tree
 
 
+ENGINE = 2  # bumped whenever a pass's cost changes (2: fused quantized decoder blocks): older curves are stale
+
+
 def curve_path(target) -> Path:
     dtype = str(target.model.embed.weight.dtype).replace("torch.", "")
     q = target.model.quantized_rows
-    name = f"{target.weight_hash[:16]}_{target.device.type}_{dtype}{f'_q{q}' if q else ''}_t{torch.get_num_threads()}.json"
+    name = (f"{target.weight_hash[:16]}_{target.device.type}_{dtype}{f'_q{q}' if q else ''}_t{torch.get_num_threads()}"
+            f"_e{ENGINE}.json")
     return cache_dir() / "cost_curves" / name
 
 

@@ -174,7 +174,7 @@ def test_trained_tiny_drafters_are_lossless_and_accept_drafts(tiny_chat_target, 
         for p in PROMPTS:
             ids = t.encode_prompt(f"{p} (variant 0)")
             ref = generate(t, ids, NoDrafter(), GenerateConfig(max_new_tokens=32)).token_ids
-            for spec, budget in ((str(path), 1), (f"{path}@topk=2,beams=1", 3), (f"{path}@bf16=1", 8)):
+            for spec, budget in ((str(path), 1), (f"{path}@topk=2,beams=1,bf16=0", 3), (f"{path}@bf16=1", 8)):
                 d = make_drafter(spec, t, budget=budget)
                 assert isinstance(d, HybridDrafter) and d.name == kind
                 r = generate(t, ids, d, GenerateConfig(max_new_tokens=32))
@@ -205,6 +205,8 @@ def test_corrupt_mismatched_and_missing_checkpoints(tiny_chat_target, tiny_llama
         make_drafter(f"{good}@topk=x", tiny_chat_target)
     with pytest.raises(SpecdraftError, match="0 or 1"):
         make_drafter(f"{good}@bf16=2", tiny_chat_target)
+    with pytest.raises(SpecdraftError, match="has no option 'tree'"):
+        make_drafter(f"{good}@tree=ddtree", tiny_chat_target)
     if not default_weights_path("gumiho").is_file():
         with pytest.raises(SpecdraftError, match="specdraft train hybrid --serial 2 --parallel 5"):
             make_drafter("gumiho", tiny_chat_target)

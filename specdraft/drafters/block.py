@@ -45,6 +45,7 @@ from torch import Tensor, nn
 from specdraft.drafters.hybrid import DraftLayer
 from specdraft.errors import SpecdraftError
 from specdraft.model.llama import ForwardOutput, RMSNorm
+from specdraft.model.packed import native_bf16
 from specdraft.search import ddtree, mixture_tree
 from specdraft.tree import Tree
 from specdraft.verify import Accepted
@@ -358,12 +359,6 @@ def load_model(target, path: str | Path) -> tuple[BlockModel, dict]:
     except (KeyError, TypeError, RuntimeError, IndexError) as e:
         raise SpecdraftError(f"checkpoint {path} does not hold a valid block drafter ({e})") from None
     return model.to(device=target.device, dtype=target.model.embed.weight.dtype), manifest
-
-
-def native_bf16(device: torch.device) -> bool:
-    """Whether bfloat16 drafting is the faster default: a CPU with native bfloat16 matmuls
-    (measured here: K=4 drafting 10 -> 5 ms per pass)."""
-    return device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def load_block(target, name: str, path: str | Path | None = None, budget: int | None = None,

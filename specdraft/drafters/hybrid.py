@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from specdraft.errors import SpecdraftError
 from specdraft.model.llama import ForwardOutput, RMSNorm
+from specdraft.model.packed import native_bf16
 from specdraft.tree import Tree
 from specdraft.verify import Accepted
 
@@ -180,6 +181,18 @@ class HybridModel(nn.Module):
                                    for _ in range(cfg.parallel))
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))
         self.register_buffer("inv_freq", inv, persistent=False)
+        self._head = None  # PackedWeight of head_w once prepack() ran
+
+    def prepack(self) -> bool:
+        """Inference on a bfloat16 CPU: let oneDNN reorder every weight once (``model.packed``)
+        instead of on every call.  Returns whether it did."""
+        from specdraft.model.packed import PackedWeight, available, pack_linears
+
+        if not available(self.head_w):
+            return False
+        pack_linears(self)
+        self._head = PackedWeight(self.head_w)
+        return True
 
     def n_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -205,6 +218,8 @@ class HybridModel(nn.Module):
 
     def logits(self, h: Tensor) -> Tensor:
         """[..., H] -> [..., V'] scores over the draft vocabulary (frozen LM-head rows)."""
+        if self._head is not None:
+            return self._head(h)
         return h @ self.head_w.T
 
     def head_states(self, x: Tensor, n: int | None = None) -> Tensor:
@@ -297,7 +312,7 @@ class HybridDraftConfig:
     budget: int = 3  # drafted nodes per tree when no cost curve is stored
     topk: int = 8  # children scored per expanded node and depth (capped by the budget)
     beams: int = 4  # nodes kept per depth for further expansion (capped by the budget)
-    bf16: int = 0  # 1 = run the drafter in bfloat16 (faster on CPUs with AMX / AVX512-BF16)
+    bf16: int = -1  # 1 = run the drafter in bfloat16, weights packed once (-1: where the CPU has native bfloat16)
 
 
 class HybridDrafter:
@@ -493,8 +508,11 @@ def load_hybrid(target, name: str, path: str | Path | None = None, budget: int |
                 f"`specdraft train hybrid {TRAIN_ARGS[name]} --data data/smollm2 --features DIR --out {path}` "
                 f"(see README, Hybrid drafters) or pass a checkpoint path as --drafter")
     model, manifest = load_model(target, path)
+    if cfg.bf16 < 0:
+        cfg.bf16 = int(native_bf16(target.device))
     if cfg.bf16:
         inv_freq = model.inv_freq
         model = model.to(torch.bfloat16)
         model.inv_freq = inv_freq  # RoPE angles stay fp32 (bf16 would shift every position's angle)
+        model.prepack()  # oneDNN reorders each weight once, not per call
     return HybridDrafter(model, cfg, name=name if name in NAMES else None, manifest=manifest)

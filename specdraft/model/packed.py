@@ -14,6 +14,12 @@ import torch
 from torch import Tensor, nn
 
 
+def native_bf16(device: torch.device) -> bool:
+    """Whether bfloat16 drafting is the faster default: a CPU with native bfloat16 matmuls (measured
+    here: block K=4 drafting 10 -> 5 ms per pass unpacked, gumiho 8.8 -> 6.0 ms packed)."""
+    return device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def available(weight: Tensor) -> bool:
     """Whether ``weight`` can be packed: bfloat16 on a CPU whose oneDNN has native bfloat16."""
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16

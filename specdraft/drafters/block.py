@@ -136,12 +136,11 @@ class BlockModel(nn.Module):
     def prepack(self) -> bool:
         """Inference on a bfloat16 CPU: let oneDNN reorder every weight once (``model.packed``)
         instead of on every call.  Returns whether it did."""
-        from specdraft.model.packed import PackedWeight, available, pack_linears
+        from specdraft.model.packed import PackedWeight, prepack_model
 
-        if not available(self.head_w):
+        self._head = prepack_model(self, self.head_w)
+        if self._head is None:
             return False
-        pack_linears(self)
-        self._head = PackedWeight(self.head_w)
         q_rows = self.cfg.num_heads * self.cfg.head_dim
         self._kv = [PackedWeight(layer.wqkv.weight[q_rows:]) for layer in self.layers]
         return True

@@ -186,13 +186,10 @@ class HybridModel(nn.Module):
     def prepack(self) -> bool:
         """Inference on a bfloat16 CPU: let oneDNN reorder every weight once (``model.packed``)
         instead of on every call.  Returns whether it did."""
-        from specdraft.model.packed import PackedWeight, available, pack_linears
+        from specdraft.model.packed import prepack_model
 
-        if not available(self.head_w):
-            return False
-        pack_linears(self)
-        self._head = PackedWeight(self.head_w)
-        return True
+        self._head = prepack_model(self, self.head_w)
+        return self._head is not None
 
     def n_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -62,3 +62,12 @@ def pack_linears(module: nn.Module) -> int:
         else:
             n += pack_linears(child)
     return n
+
+
+def prepack_model(model: nn.Module, head_w: Tensor) -> PackedWeight | None:
+    """A drafter's ``prepack``: its linear layers packed (``pack_linears``) and its draft LM-head rows
+    ``head_w`` returned packed; None (nothing changed) where packing is unavailable."""
+    if not available(head_w):
+        return None
+    pack_linears(model)
+    return PackedWeight(head_w)

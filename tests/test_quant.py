@@ -103,3 +103,21 @@ def test_fused_blocks_are_bit_identical_to_the_python_blocks(default_target, mon
     for a, b in zip(ref, got):
         assert torch.equal(a.logits, b.logits)
         assert all(torch.equal(a.hidden[k], b.hidden[k]) for k in a.hidden)
+
+
+def test_fused_blocks_in_left_padded_batches(default_target, monkeypatch):
+    """Batched decoding (``batch.generate_batch``: rows of several sequences, a padding mask) takes
+    the fused block too and gives the Python blocks' tokens."""
+    from specdraft.batch import generate_batch
+    from specdraft.model import llama
+
+    t = default_target
+    prompts = [t.encode_prompt(p, raw=True) for p in ("The capital of France is", "1, 2, 3, 4,", "Once upon a")]
+    outs, calls, fused_op = [], [], torch.ops.specdraft_quant.block
+    for fused in (False, True):
+        monkeypatch.setattr(llama, "FUSED_BLOCKS", fused)
+        monkeypatch.setattr(torch.ops.specdraft_quant, "block", lambda *a: calls.append(a[0].shape[0]) or fused_op(*a),
+                            raising=False)
+        outs.append(generate_batch(t.model, prompts, 12, t.eos_ids).tokens)
+        assert bool(calls) == fused and all(1 <= b <= 3 for b in calls) and (not fused or calls[0] == 3)
+    assert outs[0] == outs[1] and all(len(x) > 0 for x in outs[1])

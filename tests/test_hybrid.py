@@ -181,6 +181,20 @@ def test_trained_tiny_drafters_are_lossless_and_accept_drafts(tiny_chat_target, 
                 assert r.token_ids == ref, (kind, spec, budget)
                 tpp.append(r.stats.tokens_per_pass)
         assert max(tpp) > 1.0, kind  # drafts learned from the training responses get accepted
+    # `specdraft train profile` works for a hybrid checkpoint too, and the budget then follows the curve
+    from specdraft.bench import cost
+    from specdraft.train.profile import add_budget_profile
+
+    prof = add_budget_profile(t, path, tiny_train_data / "data", budgets=(1, 2, 4))
+    assert set(prof["tokens_per_pass"]) == {"1", "2", "4"} and all(v >= 1.0 for v in prof["tokens_per_pass"].values())
+    best = max(prof["tokens_per_pass"].items(), key=lambda kv: (kv[1], int(kv[0])))
+    flat = {"n": list(range(1, 10)), "ratio": [1.0] * 9, "ms": [1e30] * 9}
+    steep = {"n": list(range(1, 10)), "ratio": [1.0, 1.0] + [50.0] * 7, "ms": [1e30] * 9}
+    for curve, want in ((flat, int(best[0])), (steep, 1)):
+        cost_curve = curve
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(cost, "load_cost_curve", lambda target: cost_curve)
+            assert make_drafter(str(path), t).opts.budget == want
 
 
 # ---------------------------------------------------------------------------- checkpoints and training

@@ -487,14 +487,6 @@ def load_hybrid(target, name: str, path: str | Path | None = None, budget: int |
             raise SpecdraftError(f"{name} option {key} must be an integer (got {value!r})") from None
         if getattr(cfg, key) < (0 if key == "bf16" else 1) or (key == "bf16" and cfg.bf16 > 1):
             raise SpecdraftError(f"{name} option {key} must be " + ("0 or 1" if key == "bf16" else ">= 1") + f" (got {value})")
-    if budget is not None:
-        cfg.budget = budget
-    else:
-        from specdraft.bench.cost import budget_from_curve, load_cost_curve
-
-        curve = load_cost_curve(target)
-        if curve is not None:
-            cfg.budget = budget_from_curve(curve, default=cfg.budget)
     if path is None:
         if name not in NAMES:
             raise SpecdraftError(f"drafter {name!r} needs a checkpoint path")
@@ -505,6 +497,19 @@ def load_hybrid(target, name: str, path: str | Path | None = None, budget: int |
                 f"`specdraft train hybrid {TRAIN_ARGS[name]} --data data/smollm2 --features DIR --out {path}` "
                 f"(see README, Hybrid drafters) or pass a checkpoint path as --drafter")
     model, manifest = load_model(target, path)
+    if budget is not None:
+        cfg.budget = budget
+    else:
+        from specdraft.bench.cost import best_budget, budget_from_curve, load_cost_curve
+
+        # with a budget profile in the manifest (`specdraft train profile`): the budget with the best
+        # predicted speed on this machine's cost curve; else the largest tree costing <= 1.5x a token
+        curve = load_cost_curve(target)
+        if curve is not None and manifest.get("acceptance_by_budget"):
+            cfg.budget = best_budget(curve, manifest["acceptance_by_budget"], cfg.budget,
+                                     manifest.get("budget_profile", {}).get("draft_ms"))
+        elif curve is not None:
+            cfg.budget = budget_from_curve(curve, default=cfg.budget)
     if cfg.bf16 < 0:
         cfg.bf16 = int(native_bf16(target.device))
     if cfg.bf16:

@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     tpr = tsub.add_parser("profile", help="measure a trained drafter's tokens per pass and drafting time per node "
                          "budget on its held-out training responses and store them in the checkpoint, so that it "
                          "picks each machine's best budget from the cost curve")
-    tpr.add_argument("checkpoint", help="a block / mfd checkpoint (.safetensors), rewritten in place")
+    tpr.add_argument("checkpoint", help="a block / mfd / hybrid checkpoint (.safetensors), rewritten in place")
     tpr.add_argument("--data", required=True, help="the data folder it was trained on")
     tpr.add_argument("--max-seqs", type=int, default=32, help="held-out sequences replayed (default 32)")
     tpr.add_argument("--quiet", action="store_true")

@@ -80,6 +80,14 @@ def budget_from_curve(curve: dict, max_ratio: float = 1.5, default: int = 8, cap
     return max(1, min(cap, max(ok) - 1))
 
 
+def profile_budget(target, manifest: dict, default: int) -> int:
+    """The budget a trained drafter loaded without one takes: ``best_budget`` over this machine's cost
+    curve and the profile stored in its manifest (``acceptance_by_budget`` and, where measured,
+    ``budget_profile.draft_ms``); ``default`` without a curve or a profile."""
+    return best_budget(load_cost_curve(target), manifest.get("acceptance_by_budget", {}), default,
+                       manifest.get("budget_profile", {}).get("draft_ms"))
+
+
 def best_budget(curve: dict | None, tokens_per_pass: dict, default: int, draft_ms: dict | None = None) -> int:
     """The budget maximising tokens per pass / cost of a step (``tokens_per_pass``: budget -> measured
     tokens per pass, e.g. a drafter's held-out profile).  A step costs the curve's pass over budget + 1

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from specdraft.drafters.hybrid import DraftLayer
 from specdraft.errors import SpecdraftError
 from specdraft.model.llama import ForwardOutput, RMSNorm
-from specdraft.model.packed import native_bf16
+from specdraft.model.packed import PackedWeight, native_bf16, prepack_model
 from specdraft.search import ddtree, mixture_tree
 from specdraft.tree import Tree
 from specdraft.verify import Accepted
@@ -136,8 +136,6 @@ class BlockModel(nn.Module):
     def prepack(self) -> bool:
         """Inference on a bfloat16 CPU: let oneDNN reorder every weight once (``model.packed``)
         instead of on every call.  Returns whether it did."""
-        from specdraft.model.packed import PackedWeight, prepack_model
-
         self._head = prepack_model(self, self.head_w)
         if self._head is None:
             return False
@@ -401,12 +399,11 @@ def load_block(target, name: str, path: str | Path | None = None, budget: int | 
     if topk is not None:
         cfg.topk = topk
     if budget is None:
-        from specdraft.bench.cost import best_budget, load_cost_curve
+        from specdraft.bench.cost import profile_budget
 
         # without a measured cost curve: 4 nodes on a CPU (a pass grows with its tokens there; the
         # best budget measured on a 2-core CPU), cfg.budget on a GPU (where 13 tokens cost about one)
         fallback = 4 if target.device.type == "cpu" else cfg.budget
-        budget = best_budget(load_cost_curve(target), manifest.get("acceptance_by_budget", {}), fallback,
-                             manifest.get("budget_profile", {}).get("draft_ms"))
+        budget = profile_budget(target, manifest, fallback)
     cfg.budget = budget
     return BlockDrafter(model, cfg, name=name if shipped else None, manifest=manifest)

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from specdraft.errors import SpecdraftError
 from specdraft.model.llama import ForwardOutput, RMSNorm
-from specdraft.model.packed import native_bf16
+from specdraft.model.packed import native_bf16, prepack_model
 from specdraft.tree import Tree
 from specdraft.verify import Accepted
 
@@ -186,8 +186,6 @@ class HybridModel(nn.Module):
     def prepack(self) -> bool:
         """Inference on a bfloat16 CPU: let oneDNN reorder every weight once (``model.packed``)
         instead of on every call.  Returns whether it did."""
-        from specdraft.model.packed import prepack_model
-
         self._head = prepack_model(self, self.head_w)
         return self._head is not None
 
@@ -500,15 +498,13 @@ def load_hybrid(target, name: str, path: str | Path | None = None, budget: int |
     if budget is not None:
         cfg.budget = budget
     else:
-        from specdraft.bench.cost import best_budget, budget_from_curve, load_cost_curve
+        from specdraft.bench.cost import budget_from_curve, load_cost_curve, profile_budget
 
         # with a budget profile in the manifest (`specdraft train profile`): the budget with the best
         # predicted speed on this machine's cost curve; else the largest tree costing <= 1.5x a token
-        curve = load_cost_curve(target)
-        if curve is not None and manifest.get("acceptance_by_budget"):
-            cfg.budget = best_budget(curve, manifest["acceptance_by_budget"], cfg.budget,
-                                     manifest.get("budget_profile", {}).get("draft_ms"))
-        elif curve is not None:
+        if manifest.get("acceptance_by_budget"):
+            cfg.budget = profile_budget(target, manifest, cfg.budget)
+        elif (curve := load_cost_curve(target)) is not None:
             cfg.budget = budget_from_curve(curve, default=cfg.budget)
     if cfg.bf16 < 0:
         cfg.bf16 = int(native_bf16(target.device))

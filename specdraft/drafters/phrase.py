@@ -111,9 +111,9 @@ def load_phrase(target, path: str | Path | None = None, budget: int | None = Non
     d = PhraseDrafter.load(target, p, cfg)
     if budget is None and with_ngram:
         # the budget that maximises held-out tokens per pass / pass cost on this machine's curve
-        from specdraft.bench.cost import best_budget, load_cost_curve
+        from specdraft.bench.cost import profile_budget
 
-        budget = best_budget(load_cost_curve(target), d.manifest.get("acceptance_by_budget", {}), cfg.budget)
+        budget = profile_budget(target, d.manifest, cfg.budget)
     if budget is not None:
         d.cfg.budget = d.default_budget = budget
     return d

@@ -30,9 +30,7 @@ class PackedWeight:
     """y = x @ w.T (+ bias) for x [..., K] with w [N, K] packed once."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None, rows_hint: int = 32) -> None:
-        w = weight.detach().contiguous()
-        self.out_features = w.shape[0]
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, rows_hint)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), rows_hint)
         self.bias = None if bias is None else bias.detach()
 
     def __call__(self, x: Tensor) -> Tensor:

@@ -76,9 +76,10 @@ def test_default_target_uses_the_blocks_and_decodes_the_same(default_weights):
     assert outs[0] == outs[1]
 
 
-def test_fused_blocks_are_bit_identical_to_the_python_blocks(default_target, monkeypatch):
-    """The one-op C++ decoder block replays the Python block's ATen ops: prefill, a tree pass
-    (mask) and the features drafters read are equal to the last bit, and the fused op really runs."""
+def test_fused_blocks_match_the_python_blocks(default_target, monkeypatch):
+    """The one-op C++ decoder block computes what the Python block does (its norms sum in another
+    order, so equal to fp32 rounding, not to the bit): prefill, a tree pass (mask) and the features
+    drafters read agree, every node's argmax is the same, and the fused op really runs."""
     from specdraft.model import llama
     from specdraft.tree import Tree
 
@@ -101,8 +102,32 @@ def test_fused_blocks_are_bit_identical_to_the_python_blocks(default_target, mon
     # the tree pass is fused; a prefill of more than QUANT_ROWS tokens takes the fp32 matmul instead
     assert len(calls) == t.config.num_layers * (1 + (len(ids) <= quant.QUANT_ROWS))
     for a, b in zip(ref, got):
-        assert torch.equal(a.logits, b.logits)
-        assert all(torch.equal(a.hidden[k], b.hidden[k]) for k in a.hidden)
+        assert torch.allclose(a.logits, b.logits, rtol=0, atol=2e-3)
+        assert torch.equal(a.logits.argmax(-1), b.logits.argmax(-1))
+        for k in a.hidden:
+            scale = a.hidden[k].abs().max()
+            assert torch.allclose(a.hidden[k], b.hidden[k], rtol=0, atol=1e-4 * float(scale)), k
+
+
+def test_fused_block_rows_do_not_depend_on_the_rest_of_the_pass(default_target):
+    """A node's logits in a tree pass equal one-token decoding of its path up to fp32 rounding:
+    the fused block computes each row on its own (norms, RoPE, cache writes), so a wrong row or
+    head order would show here as a large difference."""
+    from specdraft.tree import Tree
+
+    t = default_target
+    ids = t.encode_prompt("def fib(n):\n    return n if n < 2 else fib(n-1) + fib(n-2)\nExplain this code.")
+    toks = [198, 12, 345, 678, 910]
+    t.prefill(ids, 512)
+    seq = []
+    for x in toks:
+        seq.append(t.forward_tree(Tree(tokens=[x], parents=[-1])).logits[0, 0].clone())
+        t.commit([0])
+    t.prefill(ids, 512)
+    tree = Tree(tokens=[198, 12, 999, 345, 777, 678, 910], parents=[-1, 0, 0, 1, 2, 3, 5])
+    got = t.forward_tree(tree).logits[0][[0, 1, 3, 5, 6]]
+    assert torch.allclose(torch.stack(seq), got, rtol=0, atol=2e-3)
+    assert torch.equal(torch.stack(seq).argmax(-1), got.argmax(-1))
 
 
 def test_fused_blocks_in_left_padded_batches(default_target, monkeypatch):

@@ -38,6 +38,7 @@ _SOURCE = r"""
 #include <torch/library.h>
 #include <cstdint>
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <optional>
 #include <vector>
@@ -154,64 +155,139 @@ static void rows(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t s, int
 
 // y[M, N] = x[M, K] @ W^T, W = [N, row_bytes] GGUF blocks (kind 0 = Q4_1, 1 = Q8_0).  Rows of W are
 // split over torch's threads; each block is rebuilt in registers once per tile of <= 8 rows of x.
-at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t kind) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x must be [M, K] contiguous fp32");
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kByte, "w must be [N, row_bytes] uint8");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), nb = K / 32;
-  const int64_t row_bytes = nb * (kind == 0 ? 20 : 34);
-  TORCH_CHECK(K % 32 == 0 && w.size(1) == row_bytes, "weight blocks do not fit x");
-  auto y = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const uint8_t* wp = w.data_ptr<uint8_t>();
+static void qlinear_raw(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t N, int64_t kind, float* yp) {
+  const int64_t nb = K / 32, row_bytes = nb * (kind == 0 ? 20 : 34);
   at::parallel_for(0, N, 64, [&](int64_t s, int64_t e) {
     if (kind == 0) rows<0>(wp, row_bytes, nb, s, e, xp, M, K, yp, N);
     else rows<1>(wp, row_bytes, nb, s, e, xp, M, K, yp, N);
   });
+}
+
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t kind) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x must be [M, K] contiguous fp32");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kByte, "w must be [N, row_bytes] uint8");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(K % 32 == 0 && w.size(1) == K / 32 * (kind == 0 ? 20 : 34), "weight blocks do not fit x");
+  auto y = at::empty({M, N}, x.options());
+  qlinear_raw(x.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), N, kind, y.data_ptr<float>());
   return y;
 }
 
-// A quantized projection as model.quant.QuantWeight / llama.Linear compute it: x [..., K] (times the
-// folded RMSNorm weight ``scale``) -> [..., N] (+ bias).
-static at::Tensor qproj(const at::Tensor& x, const at::Tensor& w, int64_t kind, const std::optional<at::Tensor>& scale,
-                        const std::optional<at::Tensor>& bias) {
-  at::Tensor x2 = x.reshape({-1, x.size(-1)});
-  if (scale.has_value()) x2 = x2 * *scale;
-  auto sizes = x.sizes().vec();
-  sizes.back() = w.size(0);
-  at::Tensor y = qlinear(x2.contiguous(), w, kind).view(sizes);
-  return bias.has_value() ? y + *bias : y;
+// Sum of squares of n floats in a fixed order (16 lanes, then the lanes), whatever the row's neighbours.
+static inline float sumsq(const float* x, int64_t n) {
+  int64_t i = 0;
+  float s = 0.f;
+#if defined(__AVX512F__)
+  __m512 a = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    __m512 v = _mm512_loadu_ps(x + i);
+    a = _mm512_fmadd_ps(v, v, a);
+  }
+  s = _mm512_reduce_add_ps(a);
+#endif
+  for (; i < n; ++i) s += x[i] * x[i];
+  return s;
 }
 
-// RMSNorm without its weight (folded into the next projection), as llama.RMSNorm computes it in fp32.
-static at::Tensor rms(const at::Tensor& x, double eps) {
-  return x * at::rsqrt(at::add(at::square(x).mean({-1}, true), eps));
+// out = RMSNorm(x) (* scale, the norm weight the fp32 path folds into the next projection), row by row.
+static void rms_rows(const float* x, int64_t M, int64_t H, double eps, const float* scale, float* out) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * H;
+    float* o = out + m * H;
+    const float r = 1.f / std::sqrt(sumsq(xr, H) / (float)H + (float)eps);
+    if (scale) for (int64_t i = 0; i < H; ++i) o[i] = (xr[i] * r) * scale[i];
+    else for (int64_t i = 0; i < H; ++i) o[i] = xr[i] * r;
+  }
 }
 
-// One decoder block (llama.Block.forward) with every projection quantized: the same ATen ops in the
-// same order as the Python code, so the result is bit-identical; only the interpreter's per-op
-// overhead (a third of a pass of the default target) is gone.
-at::Tensor fused_block(const at::Tensor& x, const at::Tensor& wqkv, int64_t kqkv, const std::optional<at::Tensor>& s_attn,
+// One decoder block (llama.Block.forward) with every projection on the quantized kernel.  Everything
+// but the matmuls and the attention itself is plain loops over the pass's few rows: the ~25 small
+// ATen ops per block they replace cost more than the arithmetic (about a quarter of a one-token pass
+// of the default target).  Every row is computed on its own, the same way whatever else is in the pass.
+at::Tensor fused_block(const at::Tensor& x_in, const at::Tensor& wqkv, int64_t kqkv, const std::optional<at::Tensor>& s_attn,
                  const std::optional<at::Tensor>& bqkv, const at::Tensor& wo, int64_t ko, const at::Tensor& wgu,
                  int64_t kgu, const std::optional<at::Tensor>& s_mlp, const at::Tensor& wd, int64_t kd,
                  const at::Tensor& rot, const std::optional<at::Tensor>& mask, const at::Tensor& kv, int64_t start,
                  double eps, int64_t hq, int64_t hkv, int64_t d) {
-  const int64_t b = x.size(0), t = x.size(1), qs = hq * d, ks = hkv * d;
-  at::Tensor qkv = qproj(rms(x, eps), wqkv, kqkv, s_attn, bqkv);  // [B, T, (Hq + 2 Hkv) D]
-  at::Tensor qk = qkv.slice(-1, 0, qs + ks).unflatten(-1, {hq + hkv, d});
-  qk = at::view_as_real(at::view_as_complex(qk.unflatten(-1, {d / 2, 2})) * rot).flatten(-2);  // RoPE
-  at::Tensor q = qk.slice(2, 0, hq).transpose(1, 2), k = qk.slice(2, hq).transpose(1, 2);
-  at::Tensor v = qkv.slice(-1, qs + ks).view({b, t, hkv, d}).transpose(1, 2);
-  at::Tensor kc = kv.select(0, 0), vc = kv.select(0, 1);
-  kc.slice(2, start, start + t).copy_(k);
-  vc.slice(2, start, start + t).copy_(v);
-  const int64_t g = hq / hkv;
-  at::Tensor att = at::scaled_dot_product_attention(q.reshape({b, hkv, g * t, d}), kc.slice(2, 0, start + t),
-                                                    vc.slice(2, 0, start + t), mask);
-  att = att.reshape({b, hq, t, d});
-  at::Tensor y = x + qproj(att.transpose(1, 2).reshape({b, t, qs}), wo, ko, std::nullopt, std::nullopt);
-  auto gu = qproj(rms(y, eps), wgu, kgu, s_mlp, std::nullopt).chunk(2, -1);
-  return y + qproj(at::silu(gu[0]) * gu[1], wd, kd, std::nullopt, std::nullopt);
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && kv.scalar_type() == at::kFloat && kv.is_contiguous(),
+              "fused block: fp32 x and a contiguous fp32 cache");
+  at::Tensor x = x_in.contiguous();
+  const int64_t b = x.size(0), t = x.size(1), h = x.size(2), M = b * t, qs = hq * d, ks = hkv * d, g = hq / hkv;
+  const int64_t nqkv = wqkv.size(0), inter2 = wgu.size(0), inter = inter2 / 2, half = d / 2;
+  TORCH_CHECK(nqkv == qs + 2 * ks && wo.size(0) == h && wd.size(0) == h, "fused block: projection shapes");
+  const float* xp = x.data_ptr<float>();
+  auto opt = x.options();
+  // scratch: normed x / attention rows / gate*up rows share one buffer sized for the largest
+  at::Tensor buf = at::empty({M * std::max({h, qs, inter})}, opt);
+  float* bp = buf.data_ptr<float>();
+  at::Tensor qkv = at::empty({M, nqkv}, opt);
+  float* qkvp = qkv.data_ptr<float>();
+
+  rms_rows(xp, M, h, eps, s_attn ? s_attn->data_ptr<float>() : nullptr, bp);
+  qlinear_raw(bp, M, h, wqkv.data_ptr<uint8_t>(), nqkv, kqkv, qkvp);
+  if (bqkv) {
+    const float* bb = bqkv->data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m) for (int64_t j = 0; j < nqkv; ++j) qkvp[m * nqkv + j] += bb[j];
+  }
+  // RoPE on q and k: rows are in (2i, 2i+1) pairs, rotated by e^{i pos theta_i} (rot: complex [B, T, 1, D/2])
+  at::Tensor rr = at::view_as_real(rot).contiguous();  // [B, T, 1, D/2, 2]
+  const float* rp = rr.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    const float* cs = rp + m * half * 2;
+    float* row = qkvp + m * nqkv;
+    for (int64_t hh = 0; hh < hq + hkv; ++hh) {
+      float* p = row + hh * d;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = p[2 * i], bi = p[2 * i + 1], c = cs[2 * i], s = cs[2 * i + 1];
+        p[2 * i] = a * c - bi * s;
+        p[2 * i + 1] = a * s + bi * c;
+      }
+    }
+  }
+  // K/V into the cache slots start .. start+T-1; q as [B, Hkv, G*T, D] (the G heads sharing a KV head
+  // become G*T rows of it, as Block.forward does)
+  float* kvp = kv.data_ptr<float>();
+  const int64_t s_kv = kv.stride(0), s_b = kv.stride(1), s_h = kv.stride(2), s_s = kv.stride(3);
+  at::Tensor q = at::empty({b, hkv, g * t, d}, opt);
+  float* qp = q.data_ptr<float>();
+  for (int64_t bi = 0; bi < b; ++bi)
+    for (int64_t ti = 0; ti < t; ++ti) {
+      const float* row = qkvp + (bi * t + ti) * nqkv;
+      for (int64_t kh = 0; kh < hkv; ++kh) {
+        float* kdst = kvp + bi * s_b + kh * s_h + (start + ti) * s_s;
+        std::memcpy(kdst, row + qs + kh * d, d * sizeof(float));
+        std::memcpy(kdst + s_kv, row + qs + ks + kh * d, d * sizeof(float));
+        for (int64_t gi = 0; gi < g; ++gi)
+          std::memcpy(qp + ((bi * hkv + kh) * g * t + gi * t + ti) * d, row + (kh * g + gi) * d, d * sizeof(float));
+      }
+    }
+  at::Tensor kc = kv.select(0, 0).slice(2, 0, start + t), vc = kv.select(0, 1).slice(2, 0, start + t);
+  at::Tensor att = at::scaled_dot_product_attention(q, kc, vc, mask).contiguous();  // [B, Hkv, G*T, D]
+  const float* ap = att.data_ptr<float>();
+  for (int64_t bi = 0; bi < b; ++bi)  // back to rows of [Hq * D]
+    for (int64_t kh = 0; kh < hkv; ++kh)
+      for (int64_t gi = 0; gi < g; ++gi)
+        for (int64_t ti = 0; ti < t; ++ti)
+          std::memcpy(bp + (bi * t + ti) * qs + (kh * g + gi) * d, ap + ((bi * hkv + kh) * g * t + gi * t + ti) * d,
+                      d * sizeof(float));
+  at::Tensor y = at::empty({b, t, h}, opt);
+  float* yp = y.data_ptr<float>();
+  qlinear_raw(bp, M, qs, wo.data_ptr<uint8_t>(), h, ko, yp);
+  for (int64_t i = 0; i < M * h; ++i) yp[i] += xp[i];  // y = x + Wo att
+  // MLP: y + Wd (silu(gate) * up)
+  rms_rows(yp, M, h, eps, s_mlp ? s_mlp->data_ptr<float>() : nullptr, bp);
+  at::Tensor gu = at::empty({M, inter2}, opt);
+  float* gup = gu.data_ptr<float>();
+  qlinear_raw(bp, M, h, wgu.data_ptr<uint8_t>(), inter2, kgu, gup);
+  at::Tensor gate = at::silu(gu.slice(1, 0, inter)).contiguous();
+  const float* gp = gate.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < inter; ++j) bp[m * inter + j] = gp[m * inter + j] * gup[m * inter2 + inter + j];
+  at::Tensor out = at::empty({b, t, h}, opt);
+  float* op = out.data_ptr<float>();
+  qlinear_raw(bp, M, inter, wd.data_ptr<uint8_t>(), h, kd, op);
+  for (int64_t i = 0; i < M * h; ++i) op[i] += yp[i];
+  return out;
 }
 
 TORCH_LIBRARY(specdraft_quant, lib) {

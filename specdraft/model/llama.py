@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from specdraft.model.config import ModelConfig
 
-FUSED_BLOCKS = os.environ.get("SPECDRAFT_FUSED", "1") != "0"  # see Block._fused; tests compare both paths
+FUSED_BLOCKS = os.environ.get("SPECDRAFT_FUSED", "1") != "0"  # see Block.fused_args; tests compare both paths
 FINAL = -1  # key of the final (normed) hidden state in ForwardOutput.hidden
 
 
@@ -80,6 +80,13 @@ class KVCache:
     def __init__(self, cfg: ModelConfig, batch: int, max_slots: int, device, dtype) -> None:
         shape = (cfg.num_layers, 2, batch, cfg.num_kv_heads, max_slots, cfg.head_dim)
         self.kv = torch.zeros(shape, device=device, dtype=dtype)
+
+    @property
+    def layers(self) -> tuple[Tensor, ...]:
+        """Per-layer views ``kv[i]`` ([2, B, Hkv, S, D]), made once (again if ``kv`` is replaced)."""
+        if getattr(self, "_layers_of", None) is not self.kv:
+            self._layers, self._layers_of = self.kv.unbind(0), self.kv
+        return self._layers
 
     @property
     def max_slots(self) -> int:
@@ -150,18 +157,30 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(h, cfg.rms_eps, scale=False)  # folded into w_gate_up
         self.w_gate_up = Linear(h, 2 * cfg.intermediate_size, bias=False)
         self.w_down = Linear(cfg.intermediate_size, h, bias=False)
+        self._fargs: tuple | None = None  # see fused_args
+        self._frows = 0
 
-    def _fused(self, x: Tensor) -> bool:
-        """Whether the whole block runs as one C++ op (``model.quant``: the same ATen ops, bit-identical,
-        without the interpreter's per-op overhead): every projection on the quantized kernel for a
-        pass of this size, fp32 on the CPU, no q/k norm and no bias outside q/k/v."""
-        rows = x.numel() // x.shape[-1]
-        lins = (self.wqkv, self.wo, self.w_gate_up, self.w_down)
-        return (FUSED_BLOCKS and x.dtype == torch.float32 and not self.cfg.qk_norm and x.device.type == "cpu"
-                and all(m.quant is not None and rows <= m.quant_rows for m in lins)
-                and self.wo.bias is None and self.w_gate_up.bias is None and self.w_down.bias is None
-                and self.attn_norm.weight is None and self.mlp_norm.weight is None
-                and hasattr(torch.ops.specdraft_quant, "block"))
+    def fused_args(self) -> tuple:
+        """The weights the one-op C++ block (``model.quant``: norms, RoPE, cache writes and residuals as
+        plain loops, the projections on the quantized kernel, ATen's attention) takes, or () when this
+        block cannot run as one: every projection quantized, no q/k norm and no bias outside q/k/v.
+        Static, so computed once (``Transformer.attach_quantized``/``drop_quantized`` reset it)."""
+        if self._fargs is None:
+            lins = (self.wqkv, self.wo, self.w_gate_up, self.w_down)
+            ok = (not self.cfg.qk_norm and all(m.quant is not None for m in lins)
+                  and self.wo.bias is None and self.w_gate_up.bias is None and self.w_down.bias is None
+                  and self.attn_norm.weight is None and self.mlp_norm.weight is None
+                  and hasattr(torch.ops.specdraft_quant, "block"))
+            qkv, o, gu, dn = (m.quant for m in lins)
+            self._fargs = ((qkv.blocks, qkv.kind, qkv.in_scale, self.wqkv.bias, o.blocks, o.kind, gu.blocks, gu.kind,
+                            gu.in_scale, dn.blocks, dn.kind) if ok else ())
+            self._frows = min(m.quant_rows for m in lins) if ok else 0
+        return self._fargs
+
+    def fused_rows(self) -> int:
+        """Largest pass (tokens) this block runs as one C++ op; 0 = never."""
+        self.fused_args()
+        return self._frows
 
     def forward(self, x: Tensor, rot: Tensor, mask: Tensor | None, kv: Tensor, start: int) -> Tensor:
         # x: [B, T, H]; rot: complex [B, T, 1, D/2]; mask: additive [B, 1, G*T, start+T] (rows of
@@ -170,11 +189,6 @@ class Block(nn.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         d, hq = cfg.head_dim, cfg.num_heads
-        if self._fused(x):
-            qkv, o, gu, dn = self.wqkv.quant, self.wo.quant, self.w_gate_up.quant, self.w_down.quant
-            return torch.ops.specdraft_quant.block(
-                x, qkv.blocks, qkv.kind, qkv.in_scale, self.wqkv.bias, o.blocks, o.kind, gu.blocks, gu.kind,
-                gu.in_scale, dn.blocks, dn.kind, rot, mask, kv, start, self.attn_norm.eps, hq, cfg.num_kv_heads, d)
         qkv = self.wqkv(self.attn_norm(x))  # [B, T, (Hq + 2 Hkv) * D]
         qk = qkv[..., : self.q_size + self.kv_size].unflatten(-1, (hq + cfg.num_kv_heads, d))
         if cfg.qk_norm:
@@ -268,6 +282,8 @@ class Transformer(nn.Module):
                         in_scale=sd[p + "post_attention_layernorm.weight"])
             n += attach(blk.w_down, [p + "mlp.down_proj.weight"])
         n += attach(self.lm_head, ["model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"])
+        for blk in self.blocks:
+            blk._fargs = None
         return n
 
     @property
@@ -279,11 +295,21 @@ class Transformer(nn.Module):
         for m in self.modules():
             if isinstance(m, Linear):
                 m.quant, m.quant_rows = None, 0
+        for blk in self.blocks:
+            blk._fargs = None
 
     def drop_packs(self) -> None:
         for m in self.modules():
             if isinstance(m, Linear):
                 m.packs.clear()
+
+    def _fused_pass(self, x: Tensor) -> bool:
+        """Whether this pass runs every block as one C++ op (``Block.fused_args``): fp32 on the CPU, at
+        most as many tokens as the quantized kernel serves; ``SPECDRAFT_FUSED=0`` turns it off."""
+        if not (FUSED_BLOCKS and x.dtype == torch.float32 and x.device.type == "cpu"):
+            return False
+        rows = x.numel() // x.shape[-1]
+        return rows <= min(b.fused_rows() for b in self.blocks)
 
     def new_cache(self, batch: int, max_slots: int) -> KVCache:
         p = self.embed.weight
@@ -315,10 +341,18 @@ class Transformer(nn.Module):
         hidden: dict[int, Tensor] = {}
         if 0 in hidden_layers:
             hidden[0] = x
-        for i, block in enumerate(self.blocks):
-            x = block(x, rot, mask4, cache.kv[i], start)
-            if i + 1 in hidden_layers:
-                hidden[i + 1] = x
+        if self._fused_pass(x):  # the blocks as one C++ op each, called straight from here (no per-block Python)
+            op, cfg = torch.ops.specdraft_quant.block, self.cfg
+            for i, (block, kv) in enumerate(zip(self.blocks, cache.layers)):
+                x = op(x, *block.fused_args(), rot, mask4, kv, start, cfg.rms_eps, cfg.num_heads, cfg.num_kv_heads,
+                       cfg.head_dim)
+                if i + 1 in hidden_layers:
+                    hidden[i + 1] = x
+        else:
+            for i, (block, kv) in enumerate(zip(self.blocks, cache.layers)):
+                x = block(x, rot, mask4, kv, start)
+                if i + 1 in hidden_layers:
+                    hidden[i + 1] = x
         x = self.norm(x)
         if FINAL in hidden_layers:
             hidden[FINAL] = x

@@ -103,7 +103,7 @@ static inline void rows_t(const uint8_t* w, int64_t row_bytes, int64_t nb, int64
 }
 
 // All M rows of x in tiles of <= 8 (each weight block is rebuilt once per tile): 4 weight rows at a
-// time for tiles of <= 4 x-rows, 2 for larger tiles.
+// time for tiles of <= 5 x-rows, 3 for larger tiles (R*T accumulators + 2R weights + 2 x in 32 registers).
 template <int KIND>
 static void rows(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t s, int64_t e, const float* x, int64_t M,
                  int64_t K, float* y, int64_t N) {
@@ -111,10 +111,10 @@ static void rows(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t s, int
     const float* xi = x + i * K;
     float* yi = y + i * N;
     switch (std::min<int64_t>(8, M - i)) {
-      case 8: rows_t<KIND, 2, 8>(w, row_bytes, nb, s, e, xi, K, yi, N); break;
-      case 7: rows_t<KIND, 2, 7>(w, row_bytes, nb, s, e, xi, K, yi, N); break;
-      case 6: rows_t<KIND, 2, 6>(w, row_bytes, nb, s, e, xi, K, yi, N); break;
-      case 5: rows_t<KIND, 2, 5>(w, row_bytes, nb, s, e, xi, K, yi, N); break;
+      case 8: rows_t<KIND, 3, 8>(w, row_bytes, nb, s, e, xi, K, yi, N); break;
+      case 7: rows_t<KIND, 3, 7>(w, row_bytes, nb, s, e, xi, K, yi, N); break;
+      case 6: rows_t<KIND, 3, 6>(w, row_bytes, nb, s, e, xi, K, yi, N); break;
+      case 5: rows_t<KIND, 4, 5>(w, row_bytes, nb, s, e, xi, K, yi, N); break;
       case 4: rows_t<KIND, 4, 4>(w, row_bytes, nb, s, e, xi, K, yi, N); break;
       case 3: rows_t<KIND, 4, 3>(w, row_bytes, nb, s, e, xi, K, yi, N); break;
       case 2: rows_t<KIND, 4, 2>(w, row_bytes, nb, s, e, xi, K, yi, N); break;

@@ -282,8 +282,7 @@ class Transformer(nn.Module):
                         in_scale=sd[p + "post_attention_layernorm.weight"])
             n += attach(blk.w_down, [p + "mlp.down_proj.weight"])
         n += attach(self.lm_head, ["model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"])
-        for blk in self.blocks:
-            blk._fargs = None
+        self._forget_fused_args()
         return n
 
     @property
@@ -295,6 +294,10 @@ class Transformer(nn.Module):
         for m in self.modules():
             if isinstance(m, Linear):
                 m.quant, m.quant_rows = None, 0
+        self._forget_fused_args()
+
+    def _forget_fused_args(self) -> None:
+        """The blocks' quantized weights changed: ``Block.fused_args`` is computed again on next use."""
         for blk in self.blocks:
             blk._fargs = None
 
@@ -341,18 +344,16 @@ class Transformer(nn.Module):
         hidden: dict[int, Tensor] = {}
         if 0 in hidden_layers:
             hidden[0] = x
-        if self._fused_pass(x):  # the blocks as one C++ op each, called straight from here (no per-block Python)
-            op, cfg = torch.ops.specdraft_quant.block, self.cfg
-            for i, (block, kv) in enumerate(zip(self.blocks, cache.layers)):
+        fused = self._fused_pass(x)  # the blocks as one C++ op each, called straight from here (no per-block Python)
+        op, cfg = (torch.ops.specdraft_quant.block, self.cfg) if fused else (None, None)
+        for i, (block, kv) in enumerate(zip(self.blocks, cache.layers)):
+            if fused:
                 x = op(x, *block.fused_args(), rot, mask4, kv, start, cfg.rms_eps, cfg.num_heads, cfg.num_kv_heads,
                        cfg.head_dim)
-                if i + 1 in hidden_layers:
-                    hidden[i + 1] = x
-        else:
-            for i, (block, kv) in enumerate(zip(self.blocks, cache.layers)):
+            else:
                 x = block(x, rot, mask4, kv, start)
-                if i + 1 in hidden_layers:
-                    hidden[i + 1] = x
+            if i + 1 in hidden_layers:
+                hidden[i + 1] = x
         x = self.norm(x)
         if FINAL in hidden_layers:
             hidden[FINAL] = x

@@ -203,7 +203,8 @@ static void rms_rows(const float* x, int64_t M, int64_t H, double eps, const flo
 // One decoder block (llama.Block.forward) with every projection on the quantized kernel.  Everything
 // but the matmuls and the attention itself is plain loops over the pass's few rows: the ~25 small
 // ATen ops per block they replace cost more than the arithmetic (about a quarter of a one-token pass
-// of the default target).  Every row is computed on its own, the same way whatever else is in the pass.
+// of the default target).  The loops compute each row on its own; ATen's attention is not guaranteed to
+// (a tree node's logits equal one-token decoding of its path to fp32 rounding, not to the bit).
 at::Tensor fused_block(const at::Tensor& x_in, const at::Tensor& wqkv, int64_t kqkv, const std::optional<at::Tensor>& s_attn,
                  const std::optional<at::Tensor>& bqkv, const at::Tensor& wo, int64_t ko, const at::Tensor& wgu,
                  int64_t kgu, const std::optional<at::Tensor>& s_mlp, const at::Tensor& wd, int64_t kd,

@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     th.add_argument("--anchors", type=int, default=64, help="positions sampled per sequence per epoch (0 = all)")
     th.add_argument("--feature-loss", type=float, default=0.0,
                     help="weight of feature regression (SmoothL1) for the serial states (default 0: cross-entropy only)")
+    th.add_argument("--serial-unroll", type=int, default=0,
+                    help="serial steps unrolled in training (>= --serial; default 0 = --serial): steps past --serial "
+                         "add a loss that trains the serial part only (the drafter still runs --serial steps)")
     _add_trainer_args(th)
     _add_target_args(th)
     tb = tsub.add_parser("block", help="train a block drafter: DFlash (--modes 1) or Multi-Future Drafting (--modes K)")
@@ -347,7 +350,7 @@ def cmd_train(args) -> None:
         for name in ("epochs", "batch_tokens"):
             if getattr(args, name) < 1:
                 raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 1")
-        for name in ("serial", "parallel", "anchors", "draft_vocab", "shards", "head_blocks"):
+        for name in ("serial", "parallel", "anchors", "draft_vocab", "shards", "head_blocks", "serial_unroll"):
             if getattr(args, name) < 0:
                 raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 0")
         if not str(args.out).endswith(".safetensors"):
@@ -359,7 +362,8 @@ def cmd_train(args) -> None:
         cfg = HybridTrainConfig(serial=args.serial, parallel=args.parallel, serial_layers=args.serial_layers,
                                 head_blocks=args.head_blocks, feature_layers=layers, draft_vocab=args.draft_vocab,
                                 epochs=args.epochs, anchors=args.anchors, batch_tokens=args.batch_tokens, lr=args.lr,
-                                feature_loss=args.feature_loss, shards=args.shards, seed=args.seed)
+                                feature_loss=args.feature_loss, serial_unroll=args.serial_unroll,
+                                shards=args.shards, seed=args.seed)
         if args.serial + args.parallel < 1 or args.serial_layers < 1:
             raise SpecdraftError("a hybrid drafter needs --serial + --parallel >= 1 and --serial-layers >= 1")
         read_manifest(Path(args.data))  # a clear error for a folder that is not a data build

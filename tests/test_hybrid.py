@@ -141,6 +141,31 @@ def test_drafting_steps_equal_the_training_maths(tiny_llama, kind):
     check(p + 3)
 
 
+def test_serial_unroll_adds_the_longer_serial_parts_states_only(tiny_llama):
+    """Training with --serial-unroll U: the S+M drafter states are unchanged and the extra states are
+    exactly those of a U-step serial part with the same weights (EAGLE-style, no heads)."""
+    _, target, _ = tiny_llama
+    model = _random_model(target, 2, 3, vocab=48)
+    longer = _random_model(target, 4, 0, vocab=48)
+    longer.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("heads")}, strict=False)
+    gen = torch.Generator().manual_seed(5)
+    toks = torch.randint(2, 96, (2, 24), generator=gen)
+    feats = torch.randn(2, 24, 2 * target.config.hidden_size, generator=gen)
+    batch = H.Batch(toks, torch.tensor([24, 20]), torch.tensor([3, 3]), feats, None,
+                    torch.tensor([[4, 9, 12], [5, 6, 10]]), torch.ones(2, 3, dtype=torch.bool))
+    with torch.no_grad():
+        base = H.draft_states(model, batch)
+        unrolled = H.draft_states(model, batch, unroll=4)
+        ref = H.draft_states(longer, batch)
+    assert len(base) == 5 and len(unrolled) == 7
+    for a, b in zip(base, unrolled[:5]):
+        assert torch.equal(a, b)
+    for a, b in zip(unrolled[5:], ref[2:4]):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(SpecdraftError, match="serial_unroll"):
+        H.TrainConfig(serial=2, serial_unroll=1)
+
+
 # ---------------------------------------------------------------------------- lossless decoding
 
 

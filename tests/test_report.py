@@ -35,7 +35,8 @@ def fake_results(with_hist: bool) -> dict:
                for m in methods}
         datasets[ds] = {"methods": agg, "rows": rows}
     return {"config": {"drafters": ["ngram"], "n": 3, "max_new_tokens": 64, "target": "tiny", "device": "cpu",
-                       "threads": 2, "budget": None, "date": "2026-12-01"}, "datasets": datasets}
+                       "threads": 2, "budget": None, "budgets": {"greedy": 0, "ngram": 6}, "date": "2026-12-01"},
+            "datasets": datasets}
 
 
 def curve() -> dict:
@@ -66,6 +67,7 @@ def test_full_report_with_every_input(tmp_path):
         assert f"]({img})" in md
     pngs_ok(tmp_path, ["speedup.png", "tokens_per_pass.png", "budget_curve.png", "budget_sweep.png"])
     assert "| gsm | ngram | 32.0 | 1.60x |" in md
+    assert "date 2026-12-01; node budgets ngram 6)" in md and "budget None" not in md  # each drafter's own
     assert "share of target passes that committed k tokens" in md
     assert "`acceptance.json`" in md and "Not rendered: `notes.json`" in md and "## Problems" not in md
 

@@ -248,7 +248,10 @@ def plot_budget_sweep(series: dict[str, dict], path: Path) -> bool:
 # ---------------------------------------------------------------------- the report
 def _config_line(cfg: dict) -> str:
     keys = ("target", "device", "threads", "n", "max_new_tokens", "budget", "date")
-    return ", ".join(f"{k} {cfg[k]}" for k in keys if k in cfg)
+    line = ", ".join(f"{k} {cfg[k]}" for k in keys if k in cfg and not (k == "budget" and cfg[k] is None))
+    if cfg.get("budget") is None and cfg.get("budgets"):  # each drafter's own budget, as recorded by the run
+        line += "; node budgets " + ", ".join(f"{m} {b}" for m, b in cfg["budgets"].items() if b)
+    return line
 
 
 def _json_section(out: Path, name: str, used: set[str], problems: list[str], render) -> list[str]:

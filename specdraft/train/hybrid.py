@@ -55,12 +55,16 @@ class TrainConfig:
     warmup_steps: int = 50
     decay: float = 0.8  # loss weight of draft depth d: decay^(d-1)
     feature_loss: float = 0.0  # weight of SmoothL1(h^s, f_{i+s}) for the serial states (0 = CE only)
+    serial_unroll: int = 0  # serial steps unrolled in training (0 = S); steps past S train the serial part only
     holdout: float = 0.05  # share of sequences held out for validation
     shards: int = 0  # use the first N data shards only (0 = all)
     seed: int = 0
 
     def __post_init__(self) -> None:
         self.feature_layers = tuple(int(x) for x in self.feature_layers)
+        if self.serial_unroll and (self.serial == 0 or self.serial_unroll < self.serial):
+            raise SpecdraftError(f"serial_unroll ({self.serial_unroll}) needs a serial part and must be >= serial "
+                                 f"({self.serial}); 0 unrolls exactly the serial steps")
 
     def model_config(self, tcfg) -> HybridConfig:
         return HybridConfig.for_target(tcfg, serial=self.serial, parallel=self.parallel,
@@ -257,9 +261,12 @@ def token_at(batch: Batch, offset: int) -> tuple[Tensor, Tensor]:
     return batch.tokens.gather(1, j.clamp(max=batch.tokens.shape[1] - 1)), ok
 
 
-def draft_states(model: HybridModel, batch: Batch) -> list[Tensor]:
+def draft_states(model: HybridModel, batch: Batch, unroll: int = 0) -> list[Tensor]:
     """Teacher-forced drafter states at every anchor: per depth d = 1 .. S+M, [B, A, H], the state
-    whose LM-head scores draft depth d (label x_{i+1+d}); the same maths as the drafter's steps."""
+    whose LM-head scores draft depth d (label x_{i+1+d}); the same maths as the drafter's steps.
+    ``unroll`` > S runs the serial part for that many steps and appends the extra serial states
+    (depths S+1 .. unroll) after the S+M drafter states: a training signal for the serial part only
+    (EAGLE-3's training-time test past S); the heads still read the first S."""
     mc = model.cfg
     tok, anc = batch.tokens, batch.anchors
     b, t = tok.shape
@@ -275,7 +282,7 @@ def draft_states(model: HybridModel, batch: Batch) -> list[Tensor]:
         sees_ctx = torch.arange(t - 1, device=dev)[None, None] <= anc[:, :, None]  # [B, A, T-1]
         own = torch.eye(a, dtype=torch.bool, device=dev)[None].expand(b, -1, -1)
         blocks: list[list[tuple[Tensor, Tensor]]] = []
-        for s in range(2, mc.serial + 1):
+        for s in range(2, max(mc.serial, unroll) + 1):
             x_tok, _ = token_at(batch, s)
             mask = torch.cat([sees_ctx] + [own] * (len(blocks) + 1), -1)[:, None]  # [B, 1, A, T-1 + (s-1) A]
             past = [(torch.cat([ctx[i][0]] + [blk[i][0] for blk in blocks], 2),
@@ -283,15 +290,17 @@ def draft_states(model: HybridModel, batch: Batch) -> list[Tensor]:
             h, new = model.serial(hs[-1], x_tok, anc + s - 1, mask, past)
             blocks.append(new)
             hs.append(h)
+        hs, extra = hs[: mc.serial], hs[mc.serial:]
         head_in = list(hs)
     else:
+        extra = []
         hs, head_in = [], [model.feature(_take(batch.feats, anc))]
     if mc.parallel > 0:
         last_tok, _ = token_at(batch, mc.serial + 1)
         x = torch.cat(head_in + [model.embed[last_tok]], -1)  # [B, A, (max(S,1)+1) H]
         states = model.head_states(x.flatten(0, 1)).unflatten(0, (b, a))  # [B, A, M, H]
         hs += [states[:, :, j] for j in range(mc.parallel)]
-    return hs
+    return hs + extra
 
 
 def losses(model: HybridModel, batch: Batch, t2d: Tensor, cfg: TrainConfig) -> tuple[Tensor, DepthStats]:
@@ -299,7 +308,8 @@ def losses(model: HybridModel, batch: Batch, t2d: Tensor, cfg: TrainConfig) -> t
     mc = model.cfg
     stats = DepthStats.empty(mc.depth)
     total = torch.zeros((), device=batch.tokens.device)
-    for d, h in enumerate(draft_states(model, batch), 1):
+    for k, h in enumerate(draft_states(model, batch, cfg.serial_unroll), 1):
+        d = k if k <= mc.depth else mc.serial + k - mc.depth  # the extra serial states' own depth
         w = cfg.decay ** (d - 1)
         lab, ok = token_at(batch, 1 + d)
         lab = t2d[lab]
@@ -310,6 +320,8 @@ def losses(model: HybridModel, batch: Batch, t2d: Tensor, cfg: TrainConfig) -> t
         logits = model.logits(h[ok])  # [n, V'] only for labelled anchors
         ce = F.cross_entropy(logits.float(), lab[ok], reduction="sum")
         total = total + w * ce / n
+        if k > mc.depth:
+            continue  # an unrolled serial step past S: trains the serial part, not a drafter depth
         stats.n[d - 1] += n
         stats.correct[d - 1] += int((logits.argmax(-1) == lab[ok]).sum())
         stats.ce[d - 1] += float(ce.detach())

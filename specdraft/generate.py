@@ -18,7 +18,7 @@ import torch
 from specdraft.drafters.base import Drafter, NoDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.target import Target
-from specdraft.verify import Sampling, target_probs, verify
+from specdraft.verify import Sampling, argmax_rows, target_probs, verify
 
 
 @dataclass
@@ -94,7 +94,7 @@ def generate(
                          hidden_layers=drafter.hidden_layers)
     last_logits = out.logits[0, -1]
     if s.greedy:
-        first = int(last_logits.argmax())
+        first = argmax_rows(last_logits[None])[0]
     else:
         first = int(torch.multinomial(target_probs(last_logits, s), 1, generator=gen).item())
     stats.prefill_s = time.perf_counter() - t_start

@@ -8,7 +8,7 @@ import torch
 from specdraft.model.config import ModelConfig
 from specdraft.model.llama import KVCache
 from specdraft.tree import Tree
-from specdraft.verify import verify_greedy
+from specdraft.verify import argmax_rows, verify_greedy
 
 
 def test_trie_merge_and_depths():
@@ -82,3 +82,16 @@ def test_commit_linear_path_is_noop_and_branch_compacts(tiny_llama):
     target.commit([0, 3, 4])
     assert target.length == 6
     assert torch.equal(target.cache.kv[:, :, :, :, 3:6], expected)
+
+
+def test_argmax_rows_matches_torch_including_ties():
+    """The numpy argmax the greedy walk uses picks what torch.argmax picks: the first maximum."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 49152, generator=g)
+    logits[2, 100] = logits[2, 40000] = logits[2].max() + 1  # a tie: the first index wins
+    logits[3] = 0.0  # all equal
+    logits[4, 17] = float("inf")
+    assert argmax_rows(logits) == logits.argmax(-1).tolist()
+    assert argmax_rows(logits)[2] == 100 and argmax_rows(logits)[3] == 0
+    assert argmax_rows(logits[:, ::2]) == logits[:, ::2].argmax(-1).tolist()  # non-contiguous
+    assert argmax_rows(logits.double()) == logits.argmax(-1).tolist()  # other dtypes: torch's

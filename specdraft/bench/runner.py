@@ -136,19 +136,20 @@ def plot_results(results: dict, path: Path) -> None:
 
     datasets = list(results["datasets"])
     methods = list(next(iter(results["datasets"].values()))["methods"]) if datasets else []
-    fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(datasets), 4))
+    fig, ax = plt.subplots(figsize=(3.6 + max(1.6, 0.3 * len(methods)) * len(datasets), 4))
     width = 0.8 / max(1, len(methods))
     for j, m in enumerate(methods):
         vals = [results["datasets"][d]["methods"][m]["speedup_vs_hf"] for d in datasets]
         xs = [i + j * width for i in range(len(datasets))]
         bars = ax.bar(xs, vals, width, label=m)
-        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+        ax.bar_label(bars, fmt="%.2f", fontsize=6, rotation=90, padding=2)
     ax.axhline(1.0, color="gray", lw=0.8, ls="--")
     ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(datasets))], datasets)
     ax.set_ylabel("tok/s relative to HF generate()")
     cfg = results["config"]
     ax.set_title(f"{cfg['target']}, {cfg['device']}, n={cfg['n']}, max {cfg['max_new_tokens']} new tokens", fontsize=9)
-    ax.legend(fontsize=8)
+    ax.margins(y=0.12)  # room for the value labels above the tallest bar
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside the bars
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -141,6 +141,22 @@ def test_drafting_steps_equal_the_training_maths(tiny_llama, kind):
     check(p + 3)
 
 
+def test_each_feature_layer_is_normalised_before_fusing(tiny_llama):
+    """A middle layer's massive activations (SmolLM2-135M: |x| ~ 2.5e4 at sink tokens) must not
+    swamp the fused feature: scaling one layer's feature leaves the fused state unchanged, while
+    changing its direction does change it."""
+    _, target, _ = tiny_llama
+    model = _random_model(target, 1, 1, vocab=48)
+    h = target.config.hidden_size
+    f = torch.randn(5, 2 * h, generator=torch.Generator().manual_seed(0))
+    scaled = f.clone()
+    scaled[:, :h] *= 1000.0
+    torch.testing.assert_close(model.feature(scaled), model.feature(f), rtol=1e-4, atol=1e-4)
+    other = f.clone()
+    other[:, :h] = torch.randn(5, h, generator=torch.Generator().manual_seed(1))
+    assert (model.feature(other) - model.feature(f)).abs().max() > 1e-2
+
+
 def test_serial_unroll_adds_the_longer_serial_parts_states_only(tiny_llama):
     """Training with --serial-unroll U: the S+M drafter states are unchanged and the extra states are
     exactly those of a U-step serial part with the same weights (EAGLE-style, no heads)."""

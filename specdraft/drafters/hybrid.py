@@ -173,6 +173,11 @@ class HybridModel(nn.Module):
         self.register_buffer("embed", embed.detach(), persistent=False)  # [V, H]
         self.register_buffer("head_w", lm_head.detach()[self.vocab_ids].contiguous(), persistent=False)  # [V', H]
         n_feat = len(cfg.feature_layers)
+        # several target layers (EAGLE-3 style): each is RMS-normalised before the fusing
+        # projection, as the target's own next layer would read it; the raw residual stream of
+        # middle layers carries massive activations (|x| ~ 2.5e4 at sink tokens in SmolLM2-135M)
+        # that would otherwise swamp the projection
+        self.feat_norms = nn.ModuleList(RMSNorm(h, cfg.rms_eps) for _ in range(n_feat)) if n_feat > 1 else None
         self.fuse = nn.Linear(n_feat * h, h, bias=False) if n_feat > 1 else None
         if cfg.serial > 0:
             self.fc = nn.Linear(2 * h, h)
@@ -194,7 +199,10 @@ class HybridModel(nn.Module):
 
     def feature(self, f: Tensor) -> Tensor:
         """[..., n_layers * H] target features -> [..., H]."""
-        return f if self.fuse is None else self.fuse(f)
+        if self.fuse is None:
+            return f
+        parts = f.split(self.cfg.hidden_size, -1)
+        return self.fuse(torch.cat([norm(x) for norm, x in zip(self.feat_norms, parts)], -1))
 
     def serial(self, state: Tensor, tokens: Tensor, positions: Tensor, mask: Tensor | None,
                past: list[tuple[Tensor, Tensor]] | None = None) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:

@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     th.add_argument("--serial-unroll", type=int, default=0,
                     help="serial steps unrolled in training (>= --serial; default 0 = --serial): steps past --serial "
                          "add a loss that trains the serial part only (the drafter still runs --serial steps)")
+    th.add_argument("--head-grad", type=float, default=1.0,
+                    help="share of the MLP heads' loss gradient reaching the serial states they read, in [0, 1] "
+                         "(default 1; 0 = detached: the serial part trains on its own depths only)")
     _add_trainer_args(th)
     _add_target_args(th)
     tb = tsub.add_parser("block", help="train a block drafter: DFlash (--modes 1) or Multi-Future Drafting (--modes K)")
@@ -362,7 +365,7 @@ def cmd_train(args) -> None:
         cfg = HybridTrainConfig(serial=args.serial, parallel=args.parallel, serial_layers=args.serial_layers,
                                 head_blocks=args.head_blocks, feature_layers=layers, draft_vocab=args.draft_vocab,
                                 epochs=args.epochs, anchors=args.anchors, batch_tokens=args.batch_tokens, lr=args.lr,
-                                feature_loss=args.feature_loss, serial_unroll=args.serial_unroll,
+                                feature_loss=args.feature_loss, serial_unroll=args.serial_unroll, head_grad=args.head_grad,
                                 shards=args.shards, seed=args.seed)
         if args.serial + args.parallel < 1 or args.serial_layers < 1:
             raise SpecdraftError("a hybrid drafter needs --serial + --parallel >= 1 and --serial-layers >= 1")

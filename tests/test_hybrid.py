@@ -182,6 +182,40 @@ def test_serial_unroll_adds_the_longer_serial_parts_states_only(tiny_llama):
         H.TrainConfig(serial=2, serial_unroll=1)
 
 
+def test_head_grad_scales_only_the_heads_gradient_into_the_serial_part(tiny_llama):
+    """--head-grad 0 detaches the serial states the MLP heads read: the heads' loss then leaves the
+    serial part without gradient (its own depths still train it), the forward values are unchanged,
+    and a share in (0, 1) scales that gradient linearly."""
+    _, target, _ = tiny_llama
+    model = _random_model(target, 2, 3, vocab=48).train()
+    gen = torch.Generator().manual_seed(6)
+    toks = torch.randint(2, 96, (2, 24), generator=gen)
+    feats = torch.randn(2, 24, 2 * target.config.hidden_size, generator=gen)
+    batch = H.Batch(toks, torch.tensor([24, 20]), torch.tensor([3, 3]), feats, None,
+                    torch.tensor([[4, 9, 12], [5, 6, 10]]), torch.ones(2, 3, dtype=torch.bool))
+    serial = [p for n, p in model.named_parameters() if not n.startswith("heads")]
+
+    def grads(share: float, depths: slice) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        model.zero_grad(set_to_none=False)
+        states = H.draft_states(model, batch, head_grad=share)
+        sum(h.square().sum() for h in states[depths]).backward()
+        return [s.detach().clone() for s in states], [p.grad.clone() for p in serial]
+
+    full_states, full = grads(1.0, slice(2, None))  # the heads' states only
+    none_states, none = grads(0.0, slice(2, None))
+    half_states, half = grads(0.5, slice(2, None))
+    for a, b, c in zip(full_states, none_states, half_states):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert max(float(g.abs().max()) for g in full) > 0
+    assert all(float(g.abs().max()) == 0 for g in none)
+    for a, b in zip(full, half):
+        torch.testing.assert_close(b, 0.5 * a, rtol=1e-4, atol=1e-6)
+    _, own = grads(0.0, slice(0, 2))  # the serial depths still train the serial part
+    assert max(float(g.abs().max()) for g in own) > 0
+    with pytest.raises(SpecdraftError, match="head_grad"):
+        H.TrainConfig(head_grad=1.5)
+
+
 # ---------------------------------------------------------------------------- lossless decoding
 
 

@@ -56,12 +56,15 @@ class TrainConfig:
     decay: float = 0.8  # loss weight of draft depth d: decay^(d-1)
     feature_loss: float = 0.0  # weight of SmoothL1(h^s, f_{i+s}) for the serial states (0 = CE only)
     serial_unroll: int = 0  # serial steps unrolled in training (0 = S); steps past S train the serial part only
+    head_grad: float = 1.0  # share of the MLP heads' loss gradient that reaches the serial states they read (0 = detached)
     holdout: float = 0.05  # share of sequences held out for validation
     shards: int = 0  # use the first N data shards only (0 = all)
     seed: int = 0
 
     def __post_init__(self) -> None:
         self.feature_layers = tuple(int(x) for x in self.feature_layers)
+        if not 0.0 <= self.head_grad <= 1.0:
+            raise SpecdraftError(f"head_grad must be in [0, 1] (got {self.head_grad})")
         if self.serial_unroll and (self.serial == 0 or self.serial_unroll < self.serial):
             raise SpecdraftError(f"serial_unroll ({self.serial_unroll}) needs a serial part and must be >= serial "
                                  f"({self.serial}); 0 unrolls exactly the serial steps")
@@ -261,12 +264,23 @@ def token_at(batch: Batch, offset: int) -> tuple[Tensor, Tensor]:
     return batch.tokens.gather(1, j.clamp(max=batch.tokens.shape[1] - 1)), ok
 
 
-def draft_states(model: HybridModel, batch: Batch, unroll: int = 0) -> list[Tensor]:
+def scale_grad(x: Tensor, share: float) -> Tensor:
+    """``x`` in the forward pass; in the backward pass only ``share`` of the gradient flows into it."""
+    if share >= 1.0:
+        return x
+    if share <= 0.0:
+        return x.detach()
+    return x * share + x.detach() * (1.0 - share)
+
+
+def draft_states(model: HybridModel, batch: Batch, unroll: int = 0, head_grad: float = 1.0) -> list[Tensor]:
     """Teacher-forced drafter states at every anchor: per depth d = 1 .. S+M, [B, A, H], the state
     whose LM-head scores draft depth d (label x_{i+1+d}); the same maths as the drafter's steps.
     ``unroll`` > S runs the serial part for that many steps and appends the extra serial states
     (depths S+1 .. unroll) after the S+M drafter states: a training signal for the serial part only
-    (EAGLE-3's training-time test past S); the heads still read the first S."""
+    (EAGLE-3's training-time test past S); the heads still read the first S.  ``head_grad`` < 1
+    lets only that share of the heads' gradient into the serial states (0: the serial part trains on
+    its own depths only, and the heads learn to read whatever it computes)."""
     mc = model.cfg
     tok, anc = batch.tokens, batch.anchors
     b, t = tok.shape
@@ -291,7 +305,7 @@ def draft_states(model: HybridModel, batch: Batch, unroll: int = 0) -> list[Tens
             blocks.append(new)
             hs.append(h)
         hs, extra = hs[: mc.serial], hs[mc.serial:]
-        head_in = list(hs)
+        head_in = [scale_grad(h, head_grad) for h in hs]
     else:
         extra = []
         hs, head_in = [], [model.feature(_take(batch.feats, anc))]
@@ -308,7 +322,7 @@ def losses(model: HybridModel, batch: Batch, t2d: Tensor, cfg: TrainConfig) -> t
     mc = model.cfg
     stats = DepthStats.empty(mc.depth)
     total = torch.zeros((), device=batch.tokens.device)
-    for k, h in enumerate(draft_states(model, batch, cfg.serial_unroll), 1):
+    for k, h in enumerate(draft_states(model, batch, cfg.serial_unroll, cfg.head_grad), 1):
         d = k if k <= mc.depth else mc.serial + k - mc.depth  # the extra serial states' own depth
         w = cfg.decay ** (d - 1)
         lab, ok = token_at(batch, 1 + d)

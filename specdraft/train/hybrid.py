@@ -265,12 +265,12 @@ def token_at(batch: Batch, offset: int) -> tuple[Tensor, Tensor]:
 
 
 def scale_grad(x: Tensor, share: float) -> Tensor:
-    """``x`` in the forward pass; in the backward pass only ``share`` of the gradient flows into it."""
+    """``x`` in the forward pass (exactly: the added term is zero); in the backward pass only
+    ``share`` of the gradient flows into it."""
     if share >= 1.0:
         return x
-    if share <= 0.0:
-        return x.detach()
-    return x * share + x.detach() * (1.0 - share)
+    base = x.detach()
+    return base if share <= 0.0 else base + share * (x - base)
 
 
 def draft_states(model: HybridModel, batch: Batch, unroll: int = 0, head_grad: float = 1.0) -> list[Tensor]:

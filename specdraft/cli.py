@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     th.add_argument("--head-grad", type=float, default=1.0,
                     help="share of the MLP heads' loss gradient reaching the serial states they read, in [0, 1] "
                          "(default 1; 0 = detached: the serial part trains on its own depths only)")
+    th.add_argument("--distill", type=float, default=0.0,
+                    help="share of each depth's cross-entropy taken against the target's own next-token distribution "
+                         "instead of the label, in [0, 1] (default 0; needs the final layer in the feature cache)")
     _add_trainer_args(th)
     _add_target_args(th)
     tb = tsub.add_parser("block", help="train a block drafter: DFlash (--modes 1) or Multi-Future Drafting (--modes K)")
@@ -366,6 +369,7 @@ def cmd_train(args) -> None:
                                 head_blocks=args.head_blocks, feature_layers=layers, draft_vocab=args.draft_vocab,
                                 epochs=args.epochs, anchors=args.anchors, batch_tokens=args.batch_tokens, lr=args.lr,
                                 feature_loss=args.feature_loss, serial_unroll=args.serial_unroll, head_grad=args.head_grad,
+                                distill=args.distill,
                                 shards=args.shards, seed=args.seed)
         if args.serial + args.parallel < 1 or args.serial_layers < 1:
             raise SpecdraftError("a hybrid drafter needs --serial + --parallel >= 1 and --serial-layers >= 1")

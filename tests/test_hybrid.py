@@ -216,6 +216,43 @@ def test_head_grad_scales_only_the_heads_gradient_into_the_serial_part(tiny_llam
         H.TrainConfig(head_grad=1.5)
 
 
+def test_distill_mixes_the_label_loss_with_the_targets_distribution(tiny_llama):
+    """--distill A: share A of each depth's cross-entropy is taken against the target's own
+    distribution (its final feature through the drafter's LM-head rows).  With a final feature that
+    points hard at each label, A = 1 gives the label loss; the mix is linear in A; a real (soft)
+    target distribution gives another loss."""
+    _, target, _ = tiny_llama
+    vocab = 48
+    model = _random_model(target, 2, 2, vocab=vocab).train()
+    gen = torch.Generator().manual_seed(8)
+    t2d = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
+    t2d[model.vocab_ids] = torch.arange(vocab)
+    toks = model.vocab_ids[torch.randint(0, vocab, (2, 24), generator=gen)]
+    toks[0, 15] = int((t2d < 0).nonzero()[0])  # one label outside the draft vocabulary: masked
+    feats = torch.randn(2, 24, 2 * target.config.hidden_size, generator=gen)
+    # f_p predicts x_{p+1}: a final feature that makes the target's distribution ~one-hot on it
+    rows = model.head_w[t2d[toks[:, 1:]].clamp(min=0)]
+    sharp = torch.zeros(2, 24, target.config.hidden_size)
+    sharp[:, :-1] = 1e3 * rows / rows.norm(dim=-1, keepdim=True)
+    anchors = torch.tensor([[4, 9, 12], [5, 6, 10]])
+
+    def loss(distill: float, final: torch.Tensor | None) -> float:
+        cfg = H.TrainConfig(serial=2, parallel=2, distill=distill)
+        batch = H.Batch(toks, torch.tensor([24, 20]), torch.tensor([3, 3]), feats, final, anchors,
+                        torch.ones(2, 3, dtype=torch.bool))
+        with torch.no_grad():
+            return float(H.losses(model, batch, t2d, cfg)[0])
+
+    label = loss(0.0, sharp)
+    torch.testing.assert_close(loss(1.0, sharp), label, rtol=1e-4, atol=1e-4)
+    soft = torch.randn(2, 24, target.config.hidden_size, generator=gen)
+    full = loss(1.0, soft)
+    assert abs(full - label) > 1e-2
+    torch.testing.assert_close(loss(0.25, soft), 0.75 * label + 0.25 * full, rtol=1e-5, atol=1e-5)
+    with pytest.raises(SpecdraftError, match="distill"):
+        H.TrainConfig(distill=-0.1)
+
+
 # ---------------------------------------------------------------------------- lossless decoding
 
 

@@ -269,6 +269,12 @@ def token_at(batch: Batch, offset: int) -> tuple[Tensor, Tensor]:
     return batch.tokens.gather(1, j.clamp(max=batch.tokens.shape[1] - 1)), ok
 
 
+def final_at(batch: Batch, offset: int) -> Tensor:
+    """The target's final feature f_{i+offset} of every anchor i [B, A, H] (it predicted
+    x_{i+offset+1}, the label of draft depth ``offset``)."""
+    return _take(batch.final, (batch.anchors + offset).clamp(max=batch.tokens.shape[1] - 1))
+
+
 def scale_grad(x: Tensor, share: float) -> Tensor:
     """``x`` in the forward pass (exactly: the added term is zero); in the backward pass only
     ``share`` of the gradient flows into it."""
@@ -336,15 +342,14 @@ def losses(model: HybridModel, batch: Batch, t2d: Tensor, cfg: TrainConfig) -> t
         n = int(ok.sum())
         if n == 0:
             continue
-        logits = model.logits(h[ok])  # [n, V'] only for labelled anchors
-        ce = F.cross_entropy(logits.float(), lab[ok], reduction="sum")
+        logits = model.logits(h[ok]).float()  # [n, V'] only for labelled anchors
+        ce = F.cross_entropy(logits, lab[ok], reduction="sum")
         if cfg.distill > 0 and batch.final is not None:
             # soft labels: the target's own distribution over the draft vocabulary at the position
             # that predicted the label (its final feature f_{i+d} through the same LM-head rows)
-            ref = _take(batch.final, (batch.anchors + d).clamp(max=batch.tokens.shape[1] - 1))[ok]
             with torch.no_grad():
-                teacher = torch.softmax(model.logits(ref).float(), -1)
-            soft = -(teacher * torch.log_softmax(logits.float(), -1)).sum()
+                teacher = torch.softmax(model.logits(final_at(batch, d)[ok]).float(), -1)
+            soft = -(teacher * torch.log_softmax(logits, -1)).sum()
             total = total + w * ((1 - cfg.distill) * ce + cfg.distill * soft) / n
         else:
             total = total + w * ce / n
@@ -355,8 +360,7 @@ def losses(model: HybridModel, batch: Batch, t2d: Tensor, cfg: TrainConfig) -> t
         stats.ce[d - 1] += float(ce.detach())
         if d <= mc.serial and cfg.feature_loss > 0 and batch.final is not None:
             # h^d should match the target's final feature f_{i+d} (which predicted the same token)
-            ref = _take(batch.final, (batch.anchors + d).clamp(max=batch.tokens.shape[1] - 1))
-            total = total + cfg.feature_loss * w * F.smooth_l1_loss(h[ok], ref[ok])
+            total = total + cfg.feature_loss * w * F.smooth_l1_loss(h[ok], final_at(batch, d)[ok])
     return total, stats
 
 

@@ -134,3 +134,22 @@ def test_predicted_speedup_series_and_formula():
     acc = acceptance_series({"datasets": {"gsm": {"block": {"1": 1.5, "2": 2.0}}},
                              "predicted_speedup_vs_greedy": {"gsm": {"block": {"1": 1.4, "2": 1.6}}}})
     assert acc["block"]["speedup"] == {"gsm": [1.4, 1.6]}
+
+
+def test_bench_tokens_per_pass_pools_tokens_and_passes_over_prompts():
+    from specdraft.bench.runner import summarize
+
+    def row(m, tpp, passes, toks):
+        return {"method": m, "new_tokens": toks, "wall_s": 1.0, "tokens_per_pass": tpp, "passes": passes,
+                "exact_match": True, "divergence": None}
+
+    # a short answer at 3 tokens/pass (4 passes) and a long one at 1.5 (100 passes)
+    rows = [row("hf_generate", None, None, 13), row("hf_generate", None, None, 151),
+            row("greedy", 1.0, 12, 13), row("greedy", 1.0, 150, 151),
+            row("d", 3.0, 4, 13), row("d", 1.5, 100, 151)]
+    agg = summarize(rows, ["hf_generate", "greedy", "d"])
+    assert agg["d"]["tokens_per_pass"] == pytest.approx((12 + 150) / 104)  # not the per-prompt mean 2.25
+    assert agg["d"]["tokens_per_pass_prompt_mean"] == pytest.approx(2.25)
+    assert agg["d"]["passes"] == 104
+    assert agg["greedy"]["tokens_per_pass"] == 1.0
+    assert agg["hf_generate"]["tokens_per_pass"] is None

@@ -128,7 +128,7 @@ def plot_tokens_per_pass(results: dict, path: Path) -> str | None:
             ax.set_xlabel("tokens per pass of one prompt")
             ax.set_ylabel("prompts")
         tpp = {ds: results["datasets"][ds]["methods"].get(m, {}).get("tokens_per_pass") for ds in datasets}
-        ax.set_title(f"{m}: mean tokens/pass " + ", ".join(f"{ds} {v:.2f}" for ds, v in tpp.items() if v), fontsize=8)
+        ax.set_title(f"{m}: tokens/pass (all tokens / all passes) " + ", ".join(f"{ds} {v:.2f}" for ds, v in tpp.items() if v), fontsize=8)
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3, axis="y")
     _save(fig, path)

@@ -117,9 +117,17 @@ def summarize(rows: list[dict], methods: list[str]) -> dict:
         r = [x for x in rows if x["method"] == m]
         toks, wall = sum(x["new_tokens"] for x in r), sum(x["wall_s"] for x in r)
         tpp = [x["tokens_per_pass"] for x in r if x["tokens_per_pass"] is not None]
+        # tokens per pass pooled over the prompts (all committed tokens / all passes, as tok/s pools
+        # tokens / wall time and the offline replay pools too); the mean of the per-prompt ratios,
+        # which lets a short answer weigh as much as a long one, is kept alongside
+        timed = [x for x in r if x["tokens_per_pass"] is not None and x.get("passes")]
+        passes = sum(x["passes"] for x in timed)
+        committed = sum(round(x["tokens_per_pass"] * x["passes"]) for x in timed)
         divs = [x["divergence"] for x in r if x["divergence"] is not None]
         agg[m] = {"tok_s": toks / wall if wall else 0.0, "new_tokens": toks, "wall_s": wall,
-                  "tokens_per_pass": sum(tpp) / len(tpp) if tpp else None,
+                  "tokens_per_pass": committed / passes if passes else (sum(tpp) / len(tpp) if tpp else None),
+                  "tokens_per_pass_prompt_mean": sum(tpp) / len(tpp) if tpp else None,
+                  "passes": passes or None,
                   "exact_match": sum(x["exact_match"] for x in r) / len(r),
                   "divergences": len(divs), "divergences_all_ties": all(d["tie"] for d in divs)}
     for m in methods:

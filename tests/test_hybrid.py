@@ -216,20 +216,28 @@ def test_head_grad_scales_only_the_heads_gradient_into_the_serial_part(tiny_llam
         H.TrainConfig(head_grad=1.5)
 
 
+def _loss_setup(tiny_llama, seed: int, vocab: int = 48):
+    """A random gumiho-shaped model (S = M = 2) over a 48-token draft vocabulary, its target-to-draft
+    id map, two 24-token sequences of draft tokens with one label outside the vocabulary (position
+    15 of row 0: masked out of every loss), and random input features."""
+    _, target, _ = tiny_llama
+    model = _random_model(target, 2, 2, vocab=vocab).train()
+    gen = torch.Generator().manual_seed(seed)
+    t2d = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
+    t2d[model.vocab_ids] = torch.arange(vocab)
+    toks = model.vocab_ids[torch.randint(0, vocab, (2, 24), generator=gen)]
+    toks[0, 15] = int((t2d < 0).nonzero()[0])
+    feats = torch.randn(2, 24, 2 * target.config.hidden_size, generator=gen)
+    return target, model, gen, t2d, toks, feats
+
+
 def test_distill_mixes_the_label_loss_with_the_targets_distribution(tiny_llama):
     """--distill A: share A of each depth's cross-entropy is taken against the target's own
     distribution (its final feature through the drafter's LM-head rows).  With a final feature that
     points hard at each label, A = 1 gives the label loss; the mix is linear in A; a real (soft)
     target distribution gives another loss."""
-    _, target, _ = tiny_llama
+    target, model, gen, t2d, toks, feats = _loss_setup(tiny_llama, 8)
     vocab = 48
-    model = _random_model(target, 2, 2, vocab=vocab).train()
-    gen = torch.Generator().manual_seed(8)
-    t2d = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
-    t2d[model.vocab_ids] = torch.arange(vocab)
-    toks = model.vocab_ids[torch.randint(0, vocab, (2, 24), generator=gen)]
-    toks[0, 15] = int((t2d < 0).nonzero()[0])  # one label outside the draft vocabulary: masked
-    feats = torch.randn(2, 24, 2 * target.config.hidden_size, generator=gen)
     # f_p predicts x_{p+1}: a final feature that makes the target's distribution ~one-hot on it
     rows = model.head_w[t2d[toks[:, 1:]].clamp(min=0)]
     sharp = torch.zeros(2, 24, target.config.hidden_size)
@@ -251,6 +259,42 @@ def test_distill_mixes_the_label_loss_with_the_targets_distribution(tiny_llama):
     torch.testing.assert_close(loss(0.25, soft), 0.75 * label + 0.25 * full, rtol=1e-5, atol=1e-5)
     with pytest.raises(SpecdraftError, match="distill"):
         H.TrainConfig(distill=-0.1)
+
+
+def test_feature_loss_adds_the_depth_weighted_regression_of_the_serial_states(tiny_llama):
+    """--feature-loss W (the shipped gumiho: 1): on top of the cross-entropy, W * 0.8^(d-1) *
+    SmoothL1(h^d, f_{i+d}) for every serial depth d over its labelled anchors; the parallel heads'
+    states are not regressed, and serial states equal to their targets add nothing."""
+    import torch.nn.functional as F
+
+    target, model, gen, t2d, toks, feats = _loss_setup(tiny_llama, 9)
+    final = torch.randn(2, 24, target.config.hidden_size, generator=gen)
+    # anchors whose depth-1 and depth-2 positions never coincide (so every target can be set below)
+    batch = H.Batch(toks, torch.tensor([24, 20]), torch.tensor([3, 3]), feats, final,
+                    torch.tensor([[4, 9, 12], [3, 8, 13]]), torch.ones(2, 3, dtype=torch.bool))
+
+    def loss(w: float, b: H.Batch) -> float:
+        with torch.no_grad():
+            return float(H.losses(model, b, t2d, H.TrainConfig(serial=2, parallel=2, feature_loss=w))[0])
+
+    with torch.no_grad():
+        states = H.draft_states(model, batch)
+        want = 0.0
+        for d in (1, 2):  # the serial depths only
+            lab, ok = H.token_at(batch, 1 + d)
+            ok = ok & (t2d[lab] >= 0)
+            want += 0.8 ** (d - 1) * float(F.smooth_l1_loss(states[d - 1][ok], H.final_at(batch, d)[ok]))
+    base = loss(0.0, batch)
+    assert want > 1e-3
+    torch.testing.assert_close(loss(1.0, batch) - base, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(loss(2.5, batch) - base, 2.5 * want, rtol=1e-4, atol=1e-5)
+    # final features equal to the serial states they regress onto: no extra loss
+    exact = final.clone()
+    for d in (1, 2):
+        j = (batch.anchors + d).clamp(max=23)
+        exact[torch.arange(2)[:, None], j] = states[d - 1]
+    hit = H.Batch(toks, batch.lengths, batch.prompt_len, feats, exact, batch.anchors, batch.anchor_ok)
+    torch.testing.assert_close(loss(1.0, hit), loss(0.0, hit), rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------- lossless decoding

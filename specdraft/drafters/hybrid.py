@@ -45,7 +45,7 @@ from specdraft.verify import Accepted
 
 NAMES = ("gumiho", "medusa", "eagle")  # registered names, each with its own default weights file
 WEIGHTS = "{name}_smollm2_135m.safetensors"
-TRAIN_ARGS = {"gumiho": "--serial 2 --parallel 5 --serial-layers 2 --head-blocks 5 --head-grad 0 --distill 1.0 --layers 3,15,27,-1",
+TRAIN_ARGS = {"gumiho": "--serial 2 --parallel 5 --serial-layers 2 --head-blocks 5 --head-grad 0 --distill 1.0 --feature-loss 1.0 --layers 3,15,27,-1",
               "medusa": "--serial 0 --parallel 7 --distill 1.0 --layers 3,15,27,-1",
               "eagle": "--serial 7 --parallel 0 --distill 1.0 --layers 3,15,27,-1"}
 

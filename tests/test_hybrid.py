@@ -217,7 +217,7 @@ def test_head_grad_scales_only_the_heads_gradient_into_the_serial_part(tiny_llam
 
 
 def _loss_setup(tiny_llama, seed: int, vocab: int = 48):
-    """A random gumiho-shaped model (S = M = 2) over a 48-token draft vocabulary, its target-to-draft
+    """A random gumiho-shaped model (S = M = 2) over a ``vocab``-token draft vocabulary, its target-to-draft
     id map, two 24-token sequences of draft tokens with one label outside the vocabulary (position
     15 of row 0: masked out of every loss), and random input features."""
     _, target, _ = tiny_llama
@@ -237,7 +237,6 @@ def test_distill_mixes_the_label_loss_with_the_targets_distribution(tiny_llama):
     points hard at each label, A = 1 gives the label loss; the mix is linear in A; a real (soft)
     target distribution gives another loss."""
     target, model, gen, t2d, toks, feats = _loss_setup(tiny_llama, 8)
-    vocab = 48
     # f_p predicts x_{p+1}: a final feature that makes the target's distribution ~one-hot on it
     rows = model.head_w[t2d[toks[:, 1:]].clamp(min=0)]
     sharp = torch.zeros(2, 24, target.config.hidden_size)

@@ -10,11 +10,14 @@ from pathlib import Path
 from specdraft.errors import SpecdraftError
 
 
-def _add_trainer_args(p) -> None:
-    """Arguments `train hybrid` and `train block` share."""
-    p.add_argument("--data", required=True, help="data folder from `specdraft data build`")
-    p.add_argument("--features", required=True,
-                   help="feature folder from `specdraft data features --layers ...` holding the --layers")
+def _add_trainer_args(p, many: bool = False) -> None:
+    """Arguments `train hybrid` and `train block` share (``many``: --data / --features repeatable)."""
+    more = " (repeatable, paired in order with --features: trained on together)" if many else ""
+    p.add_argument("--data", required=True, action="append" if many else "store",
+                   help="data folder from `specdraft data build`" + more)
+    p.add_argument("--features", required=True, action="append" if many else "store",
+                   help="feature folder from `specdraft data features --layers ...` holding the --layers"
+                        + (" (one per --data)" if many else ""))
     p.add_argument("--draft-vocab", type=int, default=8192, help="LM-head rows drafted from (0 = all; default 8192)")
     p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per batch")
     p.add_argument("--lr", type=float, default=6e-4)
@@ -73,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     db.add_argument("--sources", default="gsm,reasoning,codeio,magpie", help="comma-separated prompt sources")
     db.add_argument("--batch-size", type=int, default=32)
     db.add_argument("--shard-size", type=int, default=256)
+    db.add_argument("--magpie-seed", type=int, default=1000,
+                    help="sampling seed of the magpie instructions (another seed gives other instructions)")
+    db.add_argument("--exclude", action="append", default=[], metavar="DATA",
+                    help="a data folder whose prompts this build must not repeat (repeatable)")
     db.add_argument("--quiet", action="store_true")
     _add_target_args(db)
     df = dsub.add_parser("features", help="cache the target's hidden states as fp16 shards")
@@ -115,7 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     th.add_argument("--distill", type=float, default=0.0,
                     help="share of each depth's cross-entropy taken against the target's own next-token distribution "
                          "instead of the label, in [0, 1] (default 0; needs the final layer in the feature cache)")
-    _add_trainer_args(th)
+    th.add_argument("--init", default="",
+                    help="start from this trained hybrid checkpoint (same shape; its draft vocabulary is kept): "
+                         "fine-tuning, e.g. on more data")
+    _add_trainer_args(th, many=True)
     _add_target_args(th)
     tb = tsub.add_parser("block", help="train a block drafter: DFlash (--modes 1) or Multi-Future Drafting (--modes K)")
     tb.add_argument("--modes", type=int, default=1, help="K mode embeddings, blocks drafted per pass (default 1)")
@@ -310,7 +320,8 @@ def cmd_data(args) -> None:
                 raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 1")
         sources = tuple(x.strip() for x in args.sources.split(",") if x.strip())
         cfg = BuildConfig(n_prompts=args.n_prompts, max_new_tokens=args.max_new_tokens, sources=sources,
-                          batch_size=args.batch_size, shard_size=args.shard_size)
+                          batch_size=args.batch_size, shard_size=args.shard_size, magpie_seed=args.magpie_seed,
+                          exclude=tuple(args.exclude))
         target = Target.load(args.target, device=args.device, dtype=args.dtype)
         m = build_data(target, args.out, cfg, quiet=args.quiet)
         print(f"{m['sequences']} responses, {m['response_tokens']:,} response tokens, {len(m['shards'])} shards "
@@ -369,11 +380,16 @@ def cmd_train(args) -> None:
                                 head_blocks=args.head_blocks, feature_layers=layers, draft_vocab=args.draft_vocab,
                                 epochs=args.epochs, anchors=args.anchors, batch_tokens=args.batch_tokens, lr=args.lr,
                                 feature_loss=args.feature_loss, serial_unroll=args.serial_unroll, head_grad=args.head_grad,
-                                distill=args.distill,
+                                distill=args.distill, init=args.init,
                                 shards=args.shards, seed=args.seed)
         if args.serial + args.parallel < 1 or args.serial_layers < 1:
             raise SpecdraftError("a hybrid drafter needs --serial + --parallel >= 1 and --serial-layers >= 1")
-        read_manifest(Path(args.data))  # a clear error for a folder that is not a data build
+        if len(args.data) != len(args.features):
+            raise SpecdraftError(f"give one --features folder per --data folder (got {len(args.data)} and {len(args.features)})")
+        for d in args.data:
+            read_manifest(Path(d))  # a clear error for a folder that is not a data build
+        if args.init and not Path(args.init).is_file():
+            raise SpecdraftError(f"--init {args.init}: no such checkpoint")
         target = Target.load(args.target, device=args.device, dtype=args.dtype)
         log = (lambda *a, **k: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
         train_hybrid(target, args.data, args.features, args.out, cfg, quiet=args.quiet, log=log)

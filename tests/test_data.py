@@ -112,6 +112,9 @@ def test_no_benchmark_prompt_in_training_prompts(monkeypatch):
     assert not any(is_benchmark(p.text, bench) for p in prompts)
     assert len({normalize(p.text) for p in prompts}) == len(prompts)  # deduplicated
     assert [p.id for p in prompts] == list(range(len(prompts)))
+    # prompts another data folder already holds are left out (`data build --exclude`)
+    again = collect_prompts(None, 30, sources=("gsm",), quiet=True, exclude={normalize(prompts[0].text)})
+    assert prompts[0].text not in {p.text for p in again} and len(again) == 30
 
 
 def test_magpie_prompts_come_from_the_user_prefix(tiny_chat_target):

@@ -407,6 +407,58 @@ def test_training_resumes_to_the_same_weights(tiny_chat_target, tiny_train_data,
     assert len(m["history"]) == 2 and not state.exists()
 
 
+def test_fine_tuning_from_a_checkpoint_on_two_data_folders(tiny_chat_target, tiny_train_data, tmp_path):
+    """--init starts from a trained drafter (its weights and draft vocabulary), several --data folders
+    train together, each keeps its own held-out split, and a drafter of another shape is refused."""
+    from specdraft.checkpoint import load_checkpoint
+    from specdraft.train import data as D
+    from specdraft.train.profile import held_out_sequences
+    from specdraft.train.prompts import Prompt
+
+    t = tiny_chat_target
+    more = tmp_path / "more"
+    prompts = [Prompt(id=i, source="magpie", text=f"Write a short poem about the number {i}.") for i in range(5)]
+    D.build_data(t, more / "data", D.BuildConfig(n_prompts=5, max_new_tokens=24, batch_size=5, shard_size=5,
+                                                   sources=("magpie",)), quiet=True, prompts=prompts)
+    D.cache_features(t, more / "data", more / "feat", (1, FINAL), quiet=True)
+    base = tmp_path / "base.safetensors"
+    m0 = _train(t, tiny_train_data, base, epochs=1)
+    s, m = CONFIGS["gumiho"]
+
+    def tune(out, lr, init=base, serial=s, parallel=m):
+        cfg = H.TrainConfig(serial=serial, parallel=parallel, feature_layers=(1, FINAL), draft_vocab=256, epochs=1,
+                            anchors=16, batch_tokens=256, lr=lr, warmup_steps=2, holdout=0.2, init=str(init))
+        return H.train_hybrid(t, [tiny_train_data / "data", more / "data"], [tiny_train_data / "feat", more / "feat"],
+                              out, cfg, quiet=True, log=lambda *a: None)
+
+    frozen = tmp_path / "frozen.safetensors"
+    mf = tune(frozen, lr=0.0)  # no step moves a weight: the result is the checkpoint it started from
+    a, _ = load_checkpoint(base)
+    b, _ = load_checkpoint(frozen)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    n1 = m0["data"]["sequences"]
+    assert mf["data"]["sequences"] == n1 and mf["data"]["manifest_sha256"] == m0["data"]["manifest_sha256"]
+    assert [d["sequences"] for d in mf["data_more"]] == [5] and mf["init"]["history"] == m0["history"]
+    # the first folder's held-out split is the one it had alone, so its budget profile replays the same sequences
+    assert held_out_sequences(tiny_train_data / "data", mf, 8) == held_out_sequences(tiny_train_data / "data", m0, 8)
+    corpus, _, groups = H.load_corpora([(tiny_train_data / "data", tiny_train_data / "feat"), (more / "data", more / "feat")],
+                                       (1, FINAL), need_final=False)
+    assert groups == [n1, 5] and len(corpus.tokens) == n1 + 5
+    tr, va, *_ = H.split_and_vocabulary(corpus, 0, 0.2, 256, t, groups=groups)
+    tr1, va1 = H.held_out_split(n1, 0, 0.2)
+    tr2, va2 = H.held_out_split(5, 0, 0.2)
+    assert va == va1 + [n1 + i for i in va2] and tr == tr1 + [n1 + i for i in tr2]
+    moved = tmp_path / "moved.safetensors"
+    tune(moved, lr=3e-3)  # it trains from there
+    c, _ = load_checkpoint(moved)
+    assert torch.equal(a["vocab_ids"], c["vocab_ids"]) and any(not torch.equal(a[k], c[k]) for k in a if k != "vocab_ids")
+    with pytest.raises(SpecdraftError, match="another shape: parallel 2 .this run: 0.*serial 2 .this run: 3"):
+        tune(tmp_path / "eagle.safetensors", lr=3e-3, serial=3, parallel=0)
+    with pytest.raises(SpecdraftError, match="one feature folder per data folder"):
+        H.train_hybrid(t, [tiny_train_data / "data", more / "data"], [tiny_train_data / "feat"], tmp_path / "x.safetensors",
+                       H.TrainConfig(serial=s, parallel=m, feature_layers=(1, FINAL)), quiet=True, log=lambda *a: None)
+
+
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_shipped_drafters_are_lossless_on_real_prompts(name, request):
     if not default_weights_path(name).is_file():

@@ -30,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 from specdraft.errors import SpecdraftError
-from specdraft.train.prompts import SOURCES, Prompt, collect_prompts
+from specdraft.train.prompts import SOURCES, TRAIN_SEED_BASE, Prompt, collect_prompts, normalize
 
 MANIFEST = "manifest.json"
 PROMPTS = "prompts.jsonl"
@@ -53,6 +53,8 @@ class BuildConfig:
     batch_size: int = 32  # rows decoded together
     shard_size: int = 256  # sequences per shard file
     max_prompt_tokens: int = 512  # longer prompts (chat template included) are dropped: prefill is quadratic
+    magpie_seed: int = TRAIN_SEED_BASE  # sampling seed of the magpie instructions
+    exclude: tuple[str, ...] = ()  # data folders whose prompts this build must not repeat
 
 
 @dataclass
@@ -146,10 +148,18 @@ def build_data(target, out_dir: str | Path, cfg: BuildConfig | None = None, quie
         if manifest["target_hash"] != target.weight_hash:
             raise SpecdraftError(f"{out} holds data of target {manifest['target_name']!r}, not the loaded target")
         prompts = read_prompts(ppath)
-        cfg = BuildConfig(**{**asdict(cfg), **manifest["config"], "sources": tuple(manifest["config"]["sources"])})
+        cfg = BuildConfig(**{**asdict(cfg), **manifest["config"], "sources": tuple(manifest["config"]["sources"]),
+                             "exclude": tuple(manifest["config"].get("exclude", ()))})
     else:
         if prompts is None:
-            prompts = collect_prompts(target, cfg.n_prompts, cfg.sources, quiet=quiet)
+            exclude = set()
+            for other in cfg.exclude:
+                opath = Path(other) / PROMPTS
+                if not opath.is_file():
+                    raise SpecdraftError(f"--exclude {other}: no {PROMPTS} there (not a data folder)")
+                exclude |= {normalize(p.text) for p in read_prompts(opath)}
+            prompts = collect_prompts(target, cfg.n_prompts, cfg.sources, quiet=quiet, magpie_seed=cfg.magpie_seed,
+                                      exclude=exclude)
         n_before = len(prompts)
         prompts = [p for p in prompts if len(target.encode_prompt(p.text)) <= cfg.max_prompt_tokens]
         for i, p in enumerate(prompts):
@@ -157,7 +167,7 @@ def build_data(target, out_dir: str | Path, cfg: BuildConfig | None = None, quie
         _write_prompts(ppath, prompts)
         manifest = {
             "target_name": target.name, "target_hash": target.weight_hash, "version": project_version(),
-            "config": {**asdict(cfg), "sources": list(cfg.sources)},
+            "config": {**asdict(cfg), "sources": list(cfg.sources), "exclude": list(cfg.exclude)},
             "sources": _source_summary(prompts),
             "prompts_sha256": hashlib.sha256(ppath.read_bytes()).hexdigest(),
             "prompts_dropped_too_long": n_before - len(prompts),

@@ -60,6 +60,7 @@ class TrainConfig:
     serial_unroll: int = 0  # serial steps unrolled in training (0 = S); steps past S train the serial part only
     head_grad: float = 1.0  # share of the MLP heads' loss gradient that reaches the serial states they read (0 = detached)
     distill: float = 0.0  # share of each depth's cross-entropy taken against the target's own distribution (0 = labels only)
+    init: str = ""  # a trained hybrid checkpoint of the same shape to start from (its weights and draft vocabulary)
     holdout: float = 0.05  # share of sequences held out for validation
     shards: int = 0  # use the first N data shards only (0 = all)
     seed: int = 0
@@ -95,21 +96,39 @@ class Corpus:
 def load_corpus(data_dir: str | Path, feat_dir: str | Path, layers: tuple[int, ...], need_final: bool,
                 shards: int = 0) -> tuple[Corpus, dict]:
     """Sequences and cached features of the first ``shards`` data shards (0 = all)."""
+    corpus, manifests, _ = load_corpora([(data_dir, feat_dir)], layers, need_final, shards)
+    return corpus, manifests[0]
+
+
+def load_corpora(folders: list[tuple[str | Path, str | Path]], layers: tuple[int, ...], need_final: bool,
+                 shards: int = 0) -> tuple[Corpus, list[dict], list[int]]:
+    """One corpus from several (data folder, feature folder) pairs, in order, each cut to its first
+    ``shards`` data shards (0 = all).  Returns (corpus, the folders' manifests with ``shards_used``,
+    sequences per folder)."""
     from specdraft.train.data import load_shard, read_manifest
 
-    manifest = read_manifest(Path(data_dir))
-    use = manifest["shards"][: shards or None]
-    if not use:
-        raise SpecdraftError(f"{data_dir} has no data shards yet")
-    seqs = []
-    for s in use:
-        path = Path(data_dir) / s["file"]
-        if not path.is_file():
-            raise SpecdraftError(f"data shard {path} listed in the manifest is missing")
-        seqs += load_shard(path)
-    files = [s["file"] for s in use]
     read = layers if not need_final or FINAL in layers else layers + (FINAL,)
-    feats = read_features(feat_dir, files, read)
+    seqs, parts, manifests, sizes = [], [], [], []
+    for data_dir, feat_dir in folders:
+        manifest = read_manifest(Path(data_dir))
+        use = manifest["shards"][: shards or None]
+        if not use:
+            raise SpecdraftError(f"{data_dir} has no data shards yet")
+        mine = []
+        for s in use:
+            path = Path(data_dir) / s["file"]
+            if not path.is_file():
+                raise SpecdraftError(f"data shard {path} listed in the manifest is missing")
+            mine += load_shard(path)
+        feats = read_features(feat_dir, [s["file"] for s in use], read)
+        if feats.shape[0] != sum(len(s.tokens) for s in mine):
+            raise SpecdraftError(f"features in {feat_dir} do not match the data in {data_dir}: recompute them")
+        seqs += mine
+        parts.append(feats)
+        manifests.append({**manifest, "shards_used": len(use)})
+        sizes.append(len(mine))
+    feats = parts[0] if len(parts) == 1 else torch.cat(parts)
+    del parts
     final = None
     if need_final:  # a view of the final layer's columns
         h = feats.shape[1] // len(read)
@@ -117,14 +136,10 @@ def load_corpus(data_dir: str | Path, feat_dir: str | Path, layers: tuple[int, .
         final = feats[:, k * h : (k + 1) * h]
     if len(read) > len(layers):
         feats = feats[:, : len(layers) * feats.shape[1] // len(read)]
-    lengths = [len(s.tokens) for s in seqs]
-    if feats.shape[0] != sum(lengths):
-        raise SpecdraftError(f"features in {feat_dir} do not match the data in {data_dir}: recompute them")
     offsets = [0]
-    for n in lengths[:-1]:
-        offsets.append(offsets[-1] + n)
-    return Corpus([s.tokens for s in seqs], [s.prompt_len for s in seqs], offsets, feats, final), \
-        {**manifest, "shards_used": len(use)}
+    for s in seqs[:-1]:
+        offsets.append(offsets[-1] + len(s.tokens))
+    return Corpus([s.tokens for s in seqs], [s.prompt_len for s in seqs], offsets, feats, final), manifests, sizes
 
 
 def held_out_split(n_seq: int, seed: int, holdout: float) -> tuple[list[int], list[int]]:
@@ -136,14 +151,26 @@ def held_out_split(n_seq: int, seed: int, holdout: float) -> tuple[list[int], li
     return sorted(perm[n_held:]), sorted(perm[:n_held])
 
 
-def split_and_vocabulary(corpus: Corpus, seed: int, holdout: float, size: int, target):
+def split_and_vocabulary(corpus: Corpus, seed: int, holdout: float, size: int, target,
+                         groups: list[int] | None = None, vocab_ids: Tensor | None = None):
     """What the hybrid and block trainers share: the held-out split (``held_out_split``), the draft
     vocabulary of the training responses, the target-id -> draft-index map (-100 outside, on the
-    target's device) and the share of training response tokens it covers.
+    target's device) and the share of training response tokens it covers.  ``groups`` (sequences
+    per data folder, in order) splits each folder on its own, so a folder's held-out sequences are
+    the same whatever folders train beside it; ``vocab_ids`` fixes the draft vocabulary (a run
+    started from a trained drafter keeps its vocabulary).
     Returns (train_ids, val_ids, vocab_ids, t2d, coverage)."""
-    train_ids, val_ids = held_out_split(len(corpus.tokens), seed, holdout)
+    train_ids, val_ids, start = [], [], 0
+    for n in groups or [len(corpus.tokens)]:
+        tr, va = held_out_split(n, seed, holdout)
+        train_ids += [start + i for i in tr]
+        val_ids += [start + i for i in va]
+        start += n
+    if start != len(corpus.tokens):
+        raise SpecdraftError(f"the folder sizes ({sum(groups)} sequences) do not add up to the corpus ({len(corpus.tokens)})")
     vocab_size = target.config.vocab_size
-    vocab_ids = draft_vocabulary(corpus, train_ids, size, vocab_size, target.eos_ids)
+    if vocab_ids is None:
+        vocab_ids = draft_vocabulary(corpus, train_ids, size, vocab_size, target.eos_ids)
     t2d = torch.full((vocab_size,), -100, dtype=torch.long)
     t2d[vocab_ids] = torch.arange(len(vocab_ids))
     t2d = t2d.to(target.device)
@@ -370,10 +397,39 @@ def losses(model: HybridModel, batch: Batch, t2d: Tensor, cfg: TrainConfig) -> t
 # ---------------------------------------------------------------------------- training
 
 
-def train_hybrid(target, data_dir: str | Path, feat_dir: str | Path, out: str | Path, cfg: TrainConfig,
+def _data_record(data_dir, manifest: dict, sequences: int) -> dict:
+    return {"dir": str(data_dir), "manifest_sha256": manifest_sha256(manifest), "shards": manifest["shards_used"],
+            "sequences": sequences, "response_tokens": sum(s["response_tokens"] for s in manifest["shards"][: manifest["shards_used"]])}
+
+
+def _init_checkpoint(target, cfg: TrainConfig, mcfg: HybridConfig) -> tuple[dict, dict]:
+    """The tensors and manifest of ``cfg.init``, refused unless it is a hybrid drafter of this target
+    with exactly the configuration this run trains."""
+    from specdraft.checkpoint import load_checkpoint
+
+    tensors, manifest = load_checkpoint(cfg.init, target_hash=target.weight_hash, kind="hybrid")
+    try:
+        theirs = asdict(HybridConfig.from_json(manifest["config"]))
+    except (KeyError, TypeError) as e:
+        raise SpecdraftError(f"--init {cfg.init} does not hold a valid hybrid drafter ({e})") from None
+    ours = asdict(mcfg)
+    diff = sorted(k for k in ours if theirs.get(k) != ours[k])
+    if diff:
+        raise SpecdraftError(f"--init {cfg.init} is a drafter of another shape: "
+                             + ", ".join(f"{k} {theirs.get(k)!r} (this run: {ours[k]!r})" for k in diff))
+    if "vocab_ids" not in tensors:
+        raise SpecdraftError(f"--init {cfg.init} does not hold a valid hybrid drafter (no vocab_ids)")
+    return tensors, manifest
+
+
+def train_hybrid(target, data_dir, feat_dir, out: str | Path, cfg: TrainConfig,
                  quiet: bool = False, log=print) -> dict:
     """Train a hybrid drafter for ``target`` and write ``out`` (safetensors + manifest).  Re-running
-    the same command after an interruption resumes after the last finished epoch."""
+    the same command after an interruption resumes after the last finished epoch.
+
+    ``data_dir`` / ``feat_dir``: a data folder and its feature folder, or equal-length lists of them
+    (trained on together; each folder keeps its own held-out split).  ``cfg.init``: start from a
+    trained checkpoint of the same configuration (fine-tuning), keeping its draft vocabulary."""
     from tqdm import tqdm
 
     from specdraft.checkpoint import save_checkpoint
@@ -385,18 +441,30 @@ def train_hybrid(target, data_dir: str | Path, feat_dir: str | Path, out: str | 
     bad = [x for x in cfg.feature_layers if not -1 <= x <= tcfg.num_layers]
     if bad:
         raise SpecdraftError(f"feature layer {bad[0]} does not exist (the target has {tcfg.num_layers} layers; -1 = final)")
-    corpus, data_manifest = load_corpus(data_dir, feat_dir, cfg.feature_layers,
-                                        need_final=(cfg.feature_loss > 0 and cfg.serial > 0) or cfg.distill > 0,
-                                        shards=cfg.shards)
-    if data_manifest["target_hash"] != target.weight_hash:
-        raise SpecdraftError(f"{data_dir} was generated by target {data_manifest['target_name']!r}, not the loaded target")
+    data_dirs = [data_dir] if isinstance(data_dir, (str, Path)) else list(data_dir)
+    feat_dirs = [feat_dir] if isinstance(feat_dir, (str, Path)) else list(feat_dir)
+    if not data_dirs or len(data_dirs) != len(feat_dirs):
+        raise SpecdraftError(f"give one feature folder per data folder (got {len(data_dirs)} data and "
+                             f"{len(feat_dirs)} feature folders)")
+    corpus, data_manifests, groups = load_corpora(list(zip(data_dirs, feat_dirs)), cfg.feature_layers,
+                                                  need_final=(cfg.feature_loss > 0 and cfg.serial > 0) or cfg.distill > 0,
+                                                  shards=cfg.shards)
+    for d, m in zip(data_dirs, data_manifests):
+        if m["target_hash"] != target.weight_hash:
+            raise SpecdraftError(f"{d} was generated by target {m['target_name']!r}, not the loaded target")
+    data_manifest = data_manifests[0]
     n_seq = len(corpus.tokens)
-    train_ids, val_ids, vocab_ids, t2d, covered = split_and_vocabulary(corpus, cfg.seed, cfg.holdout, cfg.draft_vocab,
-                                                                       target)
+    init_tensors, init_manifest = _init_checkpoint(target, cfg, mcfg) if cfg.init else (None, None)
+    train_ids, val_ids, vocab_ids, t2d, covered = split_and_vocabulary(
+        corpus, cfg.seed, cfg.holdout, cfg.draft_vocab, target, groups=groups,
+        vocab_ids=None if init_tensors is None else init_tensors["vocab_ids"].long())
 
     torch.manual_seed(cfg.seed)
     tm = target.model
     model = HybridModel(mcfg, tm.embed.weight.float(), tm.lm_head.weight.float(), vocab_ids.to(dev)).to(dev).train()
+    if init_tensors is not None:
+        model.load_state_dict({k: v.to(dev) for k, v in init_tensors.items()})
+        log(f"starting from {cfg.init} ({len(init_manifest.get('history', []))} epochs trained)")
     n_target = sum(p.numel() for p in tm.parameters())
     log(f"{mcfg.kind} drafter (serial {mcfg.serial}, parallel {mcfg.parallel}): {model.n_params():,} trainable "
         f"parameters ({model.n_params() / n_target:.1%} of the target); draft vocabulary {len(vocab_ids)} tokens "
@@ -416,10 +484,14 @@ def train_hybrid(target, data_dir: str | Path, feat_dir: str | Path, out: str | 
 
     spath = state_path(out)
     fp_cfg = asdict(cfg)
-    if not fp_cfg["distill"]:  # absent at its default, so runs started before the option still resume
-        del fp_cfg["distill"]
-    fingerprint = json.loads(json.dumps({"config": fp_cfg, "data": manifest_sha256(data_manifest),
-                                         "target": target.weight_hash}))
+    for name in ("distill", "init"):  # absent at their defaults, so runs started before the options still resume
+        if not fp_cfg[name]:
+            del fp_cfg[name]
+    fp_data = manifest_sha256(data_manifest) if len(data_manifests) == 1 else [manifest_sha256(m) for m in data_manifests]
+    fp = {"config": fp_cfg, "data": fp_data, "target": target.weight_hash}
+    if init_manifest is not None:
+        fp["init"] = manifest_sha256(init_manifest)
+    fingerprint = json.loads(json.dumps(fp))
     start_epoch, history = 0, []
     if spath.is_file():
         try:
@@ -487,13 +559,18 @@ def train_hybrid(target, data_dir: str | Path, feat_dir: str | Path, out: str | 
         "drafter": mcfg.kind,
         "train": asdict(cfg),
         "draft_vocab_coverage": covered,
-        "data": {"dir": str(data_dir), "manifest_sha256": manifest_sha256(data_manifest), "shards": data_manifest["shards_used"],
-                 "sequences": n_seq, "response_tokens": data_manifest["response_tokens"]},
+        "data": _data_record(data_dirs[0], data_manifest, groups[0]),
         "history": history,
         "params": model.n_params(),
         "target_params": n_target,
         "train_wall_s": time.perf_counter() - t_train,
     }
+    if len(data_dirs) > 1:  # "data" stays the first folder, whose held-out split a budget profile replays
+        manifest["data_more"] = [_data_record(d, m, n) for d, m, n in zip(data_dirs[1:], data_manifests[1:], groups[1:])]
+    if init_manifest is not None:
+        manifest["init"] = {"path": str(cfg.init), "manifest_sha256": manifest_sha256(init_manifest),
+                            "train": init_manifest.get("train"), "data": init_manifest.get("data"),
+                            "history": init_manifest.get("history"), "train_wall_s": init_manifest.get("train_wall_s")}
     sd = {k: (v.to(torch.float16) if v.is_floating_point() else v) for k, v in model.state_dict().items()}
     save_checkpoint(out, sd, manifest)
     spath.unlink(missing_ok=True)

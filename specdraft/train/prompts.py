@@ -147,8 +147,11 @@ def magpie_prompts(target, n: int, seed: int = TRAIN_SEED_BASE, batch_size: int 
     return out
 
 
-def collect_prompts(target, n_prompts: int, sources: tuple[str, ...] = SOURCES, quiet: bool = False) -> list[Prompt]:
-    """``n_prompts`` deduplicated training prompts split across ``sources``; benchmark prompts removed."""
+def collect_prompts(target, n_prompts: int, sources: tuple[str, ...] = SOURCES, quiet: bool = False,
+                    magpie_seed: int = TRAIN_SEED_BASE, exclude: set[str] | None = None) -> list[Prompt]:
+    """``n_prompts`` deduplicated training prompts split across ``sources``; benchmark prompts removed,
+    and so are prompts whose normalised text is in ``exclude`` (e.g. another data folder's prompts).
+    ``magpie_seed`` seeds the sampling of the magpie instructions (another seed, other instructions)."""
     unknown = [s for s in sources if s not in SOURCES]
     if unknown:
         raise SpecdraftError(f"unknown prompt source {unknown[0]!r} (choose from {', '.join(SOURCES)})")
@@ -156,9 +159,9 @@ def collect_prompts(target, n_prompts: int, sources: tuple[str, ...] = SOURCES, 
     total_w = sum(weights.values())
     want = {s: int(round(n_prompts * w / total_w)) for s, w in weights.items()}
     makers = {"gsm": gsm_train_prompts, "reasoning": reasoning_prompts, "codeio": codeio_prompts,
-              "magpie": lambda k: magpie_prompts(target, k, quiet=quiet)}
+              "magpie": lambda k: magpie_prompts(target, k, seed=magpie_seed, quiet=quiet)}
     bench = benchmark_prompt_set()
-    seen: set[str] = set()
+    seen: set[str] = set(exclude or ())
     out: list[Prompt] = []
     for src in sources:
         for p in makers[src](int(want[src] * 1.1) + 8):  # a margin for duplicates

@@ -34,7 +34,8 @@ class GenerateConfig:
 class GenerationStats:
     new_tokens: int = 0  # tokens generated (stop token excluded)
     passes: int = 0  # target passes after prefill
-    tokens_per_pass: float = 0.0  # tokens committed by those passes / passes
+    committed: int = 0  # tokens committed by those passes (the prefill's first token excluded)
+    tokens_per_pass: float = 0.0  # committed / passes
     accept_hist: dict[int, int] = field(default_factory=dict)  # drafted tokens accepted -> passes
     tree_nodes: int = 0  # drafted nodes summed over passes
     prefill_s: float = 0.0
@@ -157,6 +158,7 @@ def generate(
     stats.new_tokens = len(tokens)
     stats.wall_s = time.perf_counter() - t_start
     stats.tok_s = stats.new_tokens / stats.wall_s if stats.wall_s > 0 else 0.0
+    stats.committed = committed_by_passes
     stats.tokens_per_pass = committed_by_passes / stats.passes if stats.passes else 0.0
     stats.accept_hist = dict(sorted(hist.items()))
     text = target.decode(tokens)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -91,6 +92,8 @@ def test_ngram_equals_greedy_on_real_prompts(default_target):
             div = divergence(default_target, ids, got.token_ids, ref.token_ids, 2)
             assert div["top2_gap"] < TIE_GAP, div
         accepted_some |= got.stats.tokens_per_pass > 1.0
+        gs = got.stats
+        assert gs.tokens_per_pass == pytest.approx(gs.committed / gs.passes) and gs.committed <= gs.new_tokens
     assert accepted_some  # the drafter did propose accepted tokens
 
 

@@ -76,7 +76,7 @@ def run_bench(
         gcfg = GenerateConfig(max_new_tokens=max_new_tokens, budget=budget)
         r = generate(target, ids, drafter_of[method], gcfg)
         return {"tokens": r.token_ids, "wall_s": r.stats.wall_s, "tokens_per_pass": r.stats.tokens_per_pass,
-                "passes": r.stats.passes, "accept_hist": r.stats.accept_hist}
+                "passes": r.stats.passes, "committed": r.stats.committed, "accept_hist": r.stats.accept_hist}
 
     warm = target.encode_prompt("Say hello.")
     for m in methods:  # warm-up: first-call allocations and kernel choices
@@ -102,7 +102,8 @@ def run_bench(
                 rows.append({"prompt": i, "method": m, "new_tokens": len(g["tokens"]), "wall_s": g["wall_s"],
                              "tok_s": len(g["tokens"]) / g["wall_s"], "tokens_per_pass": g["tokens_per_pass"],
                              "exact_match": div is None, "divergence": div,
-                             "passes": g.get("passes"), "accept_hist": g.get("accept_hist")})
+                             "passes": g.get("passes"), "committed": g.get("committed"),
+                             "accept_hist": g.get("accept_hist")})
         results["datasets"][ds] = {"methods": summarize(rows, methods), "rows": rows}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -122,12 +123,15 @@ def summarize(rows: list[dict], methods: list[str]) -> dict:
         # which lets a short answer weigh as much as a long one, is kept alongside
         timed = [x for x in r if x["tokens_per_pass"] is not None and x.get("passes")]
         passes = sum(x["passes"] for x in timed)
-        committed = sum(round(x["tokens_per_pass"] * x["passes"]) for x in timed)
+        # rows written before "committed" was recorded rebuild it from the rounded ratio
+        committed = sum(x["committed"] if x.get("committed") is not None else round(x["tokens_per_pass"] * x["passes"])
+                        for x in timed)
         divs = [x["divergence"] for x in r if x["divergence"] is not None]
         agg[m] = {"tok_s": toks / wall if wall else 0.0, "new_tokens": toks, "wall_s": wall,
                   "tokens_per_pass": committed / passes if passes else (sum(tpp) / len(tpp) if tpp else None),
                   "tokens_per_pass_prompt_mean": sum(tpp) / len(tpp) if tpp else None,
                   "passes": passes or None,
+                  "committed": committed if passes else None,
                   "exact_match": sum(x["exact_match"] for x in r) / len(r),
                   "divergences": len(divs), "divergences_all_ties": all(d["tie"] for d in divs)}
     for m in methods:

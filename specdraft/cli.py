@@ -185,6 +185,16 @@ def build_parser() -> argparse.ArgumentParser:
     aa.add_argument("--out", default="bench_out")
     aa.add_argument("--quiet", action="store_true")
     _add_target_args(aa)
+    av = asub.add_parser("coverage", help="share of the greedy output the training responses never hold, and outside "
+                         "each drafter's draft vocabulary")
+    av.add_argument("--data", action="append", default=[], help="training data folder (repeatable)")
+    av.add_argument("--drafter", action="append", default=[], help="drafter name, spec or checkpoint (repeatable)")
+    av.add_argument("--dataset", action="append", default=[], help="mtbench, humaneval, gsm or a .jsonl file (repeatable)")
+    av.add_argument("--n", type=int, default=20)
+    av.add_argument("--max-new-tokens", type=int, default=256)
+    av.add_argument("--out", default="bench_out")
+    av.add_argument("--quiet", action="store_true")
+    _add_target_args(av)
     ac = asub.add_parser("chimeras", help="share of a product-ranked tree stitched from different target futures")
     ac.add_argument("--drafter", required=True, help="a drafter with per-position distributions (block, mfd or a checkpoint)")
     ac.add_argument("--dataset", action="append", default=[], help="mtbench, humaneval, gsm or a .jsonl file (repeatable)")
@@ -506,6 +516,25 @@ def cmd_analyze(args) -> None:
                   "best budget: " + "; ".join(f"{ds}: " + ", ".join(f"{d} {b}" for d, b in v.items())
                                               for ds, v in res["best_budget"].items()))
         print(f"wrote {Path(args.out) / 'acceptance.json'}", file=sys.stderr)
+    elif args.analyze_command == "coverage":
+        from specdraft.bench.coverage import coverage_report
+
+        if not args.dataset or not args.data:
+            raise SpecdraftError("give at least one --data folder and one --dataset")
+        if args.n < 1 or args.max_new_tokens < 1:
+            raise SpecdraftError("--n and --max-new-tokens must be >= 1")
+        target = Target.load(args.target, device=args.device, dtype=args.dtype)
+        res = coverage_report(target, args.data, args.drafter, args.dataset, args.n, args.max_new_tokens, args.out,
+                              quiet=args.quiet)
+        names = list(dict.fromkeys(args.drafter))
+        print("| dataset | output tokens | distinct | unseen in training | " + " | ".join(f"outside {d}'s vocabulary" for d in names) + " |")
+        print("|---|---|---|---|" + "---|" * len(names))
+        for ds, r in res["datasets"].items():
+            cells = ["all scored" if r["outside_draft_vocab"][d] is None else f"{r['outside_draft_vocab'][d]:.1%}" for d in names]
+            print(f"| {ds} | {r['tokens']} | {r['distinct_tokens']} | {r['unseen_in_training']:.1%} | " + " | ".join(cells) + " |")
+        print(f"training responses: {res['config']['training_response_tokens']:,} tokens, "
+              f"{res['config']['training_distinct_tokens']:,} distinct", file=sys.stderr)
+        print(f"wrote {Path(args.out) / 'coverage.json'}", file=sys.stderr)
     elif args.analyze_command == "chimeras":
         from specdraft.bench.chimeras import ChimeraConfig, chimera_report, format_summary
 

@@ -21,7 +21,8 @@ def _add_trainer_args(p, many: bool = False) -> None:
     p.add_argument("--draft-vocab", type=int, default=8192, help="LM-head rows drafted from (0 = all; default 8192)")
     p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per batch")
     p.add_argument("--lr", type=float, default=6e-4)
-    p.add_argument("--shards", type=int, default=0, help="train on the first N data shards only (default all)")
+    p.add_argument("--shards", type=int, default=0,
+                   help="train on the first N data shards only (of each --data folder; default all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="checkpoint to write (.safetensors); re-run to resume")
     p.add_argument("--quiet", action="store_true")
@@ -146,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "budget on its held-out training responses and store them in the checkpoint, so that it "
                          "picks each machine's best budget from the cost curve")
     tpr.add_argument("checkpoint", help="a block / mfd / hybrid checkpoint (.safetensors), rewritten in place")
-    tpr.add_argument("--data", required=True, help="the data folder it was trained on")
+    tpr.add_argument("--data", required=True, help="the data folder it was trained on (the first --data folder)")
     tpr.add_argument("--max-seqs", type=int, default=32, help="held-out sequences replayed (default 32)")
     tpr.add_argument("--quiet", action="store_true")
     _add_target_args(tpr)

@@ -425,14 +425,24 @@ def test_fine_tuning_from_a_checkpoint_on_two_data_folders(tiny_chat_target, tin
     m0 = _train(t, tiny_train_data, base, epochs=1)
     s, m = CONFIGS["gumiho"]
 
-    def tune(out, lr, init=base, serial=s, parallel=m):
+    def tune(out, lr, init=base, serial=s, parallel=m, seed=0, folders=(tiny_train_data, more)):
         cfg = H.TrainConfig(serial=serial, parallel=parallel, feature_layers=(1, FINAL), draft_vocab=256, epochs=1,
-                            anchors=16, batch_tokens=256, lr=lr, warmup_steps=2, holdout=0.2, init=str(init))
-        return H.train_hybrid(t, [tiny_train_data / "data", more / "data"], [tiny_train_data / "feat", more / "feat"],
+                            anchors=16, batch_tokens=256, lr=lr, warmup_steps=2, holdout=0.2, init=str(init), seed=seed)
+        return H.train_hybrid(t, [f / "data" for f in folders], [f / "feat" for f in folders],
                               out, cfg, quiet=True, log=lambda *a: None)
 
+    used = {}
+    real_split = H.split_and_vocabulary
+
+    def spy(*a, **k):
+        out = real_split(*a, **k)
+        used.update(groups=k.get("groups"), val=out[1])
+        return out
+
     frozen = tmp_path / "frozen.safetensors"
-    mf = tune(frozen, lr=0.0)  # no step moves a weight: the result is the checkpoint it started from
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(H, "split_and_vocabulary", spy)
+        mf = tune(frozen, lr=0.0)  # no step moves a weight: the result is the checkpoint it started from
     a, _ = load_checkpoint(base)
     b, _ = load_checkpoint(frozen)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -448,12 +458,19 @@ def test_fine_tuning_from_a_checkpoint_on_two_data_folders(tiny_chat_target, tin
     tr1, va1 = H.held_out_split(n1, 0, 0.2)
     tr2, va2 = H.held_out_split(5, 0, 0.2)
     assert va == va1 + [n1 + i for i in va2] and tr == tr1 + [n1 + i for i in tr2]
+    assert used["groups"] == [n1, 5] and used["val"] == va  # the trainer split each folder on its own
     moved = tmp_path / "moved.safetensors"
     tune(moved, lr=3e-3)  # it trains from there
     c, _ = load_checkpoint(moved)
     assert torch.equal(a["vocab_ids"], c["vocab_ids"]) and any(not torch.equal(a[k], c[k]) for k in a if k != "vocab_ids")
     with pytest.raises(SpecdraftError, match="another shape: parallel 2 .this run: 0.*serial 2 .this run: 3"):
         tune(tmp_path / "eagle.safetensors", lr=3e-3, serial=3, parallel=0)
+    with pytest.raises(SpecdraftError, match="held-out sequences would include ones the checkpoint trained on"):
+        tune(tmp_path / "seed1.safetensors", lr=0.0, seed=1)  # another split of the folder base trained on
+    with pytest.raises(SpecdraftError, match="prompts occur in more than one --data folder"):
+        tune(tmp_path / "twice.safetensors", lr=0.0, folders=(tiny_train_data, tiny_train_data))
+    with pytest.raises(SpecdraftError, match="--init and --out are the same file"):
+        tune(base, lr=0.0)
     with pytest.raises(SpecdraftError, match="one feature folder per data folder"):
         H.train_hybrid(t, [tiny_train_data / "data", more / "data"], [tiny_train_data / "feat"], tmp_path / "x.safetensors",
                        H.TrainConfig(serial=s, parallel=m, feature_layers=(1, FINAL)), quiet=True, log=lambda *a: None)

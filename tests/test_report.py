@@ -154,7 +154,7 @@ def test_bench_tokens_per_pass_pools_tokens_and_passes_over_prompts():
     assert agg["greedy"]["tokens_per_pass"] == 1.0
     assert agg["hf_generate"]["tokens_per_pass"] is None
     assert agg["d"]["committed"] == 162
-    # rows that carry "committed" are pooled from it, not from the rounded ratio (7 / 3 = 2.333...)
-    exact = [{**row("d", 2.333, 3, 8), "committed": 7}, {**row("d", 1.0, 5, 6), "committed": 5}]
+    # rows that carry "committed" are pooled from it, not from the ratio (2.0 * 3 would rebuild 6, not 7)
+    exact = [{**row("d", 2.0, 3, 8), "committed": 7}, {**row("d", 1.0, 5, 6), "committed": 5}]
     agg = summarize(rows[:4] + exact, ["hf_generate", "greedy", "d"])
     assert agg["d"]["committed"] == 12 and agg["d"]["tokens_per_pass"] == pytest.approx(12 / 8)

@@ -32,7 +32,8 @@ def held_out_sequences(data_dir: str | Path, manifest: dict, max_seqs: int) -> t
     dm = read_manifest(Path(data_dir))
     if data.get("manifest_sha256") and data["manifest_sha256"] not in (
             manifest_sha256(dm), manifest_sha256({**dm, "shards_used": data.get("shards")})):  # as the trainer hashed it
-        raise SpecdraftError(f"{data_dir} is not the data this drafter was trained on (its manifest differs)")
+        raise SpecdraftError(f"{data_dir} is not the data this drafter was trained on (its manifest differs; "
+                             f"it was trained on {data.get('dir', '?')}, the first --data folder of its training run)")
     seqs = load_sequences(data_dir)[: data["sequences"]]
     held = held_out_split(len(seqs), train["seed"], train["holdout"])[1][:max_seqs]  # the trainer's own split
     return [seqs[i].tokens[: seqs[i].prompt_len] for i in held], [seqs[i].tokens[seqs[i].prompt_len :] for i in held]

@@ -20,6 +20,7 @@ import importlib.util
 import json
 import random
 import re
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -172,6 +173,10 @@ def collect_prompts(target, n_prompts: int, sources: tuple[str, ...] = SOURCES, 
             out.append(p)
             if sum(1 for q in out if q.source == src) >= want[src]:
                 break
+        got = sum(1 for q in out if q.source == src)
+        if got < want[src] and not quiet:
+            print(f"prompt source {src}: {got} of the {want[src]} prompts asked for (after dropping duplicates, "
+                  "benchmark prompts and --exclude)", file=sys.stderr, flush=True)
     for i, p in enumerate(out):
         p.id = i
     return out

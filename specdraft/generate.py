@@ -34,7 +34,7 @@ class GenerateConfig:
 class GenerationStats:
     new_tokens: int = 0  # tokens generated (stop token excluded)
     passes: int = 0  # target passes after prefill
-    committed: int = 0  # tokens committed by those passes (the prefill's first token excluded)
+    committed: int = 0  # tokens those passes consumed: EOS counted, the prefill's first token not
     tokens_per_pass: float = 0.0  # committed / passes
     accept_hist: dict[int, int] = field(default_factory=dict)  # drafted tokens accepted -> passes
     tree_nodes: int = 0  # drafted nodes summed over passes

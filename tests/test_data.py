@@ -117,6 +117,24 @@ def test_no_benchmark_prompt_in_training_prompts(monkeypatch):
     assert prompts[0].text not in {p.text for p in again} and len(again) == 30
 
 
+def test_build_excludes_the_prompts_of_another_data_folder(tiny_chat_target, tmp_path):
+    from specdraft.train.prompts import gsm_train_prompts
+
+    first = gsm_train_prompts(2)
+    cfg = D.BuildConfig(n_prompts=2, max_new_tokens=4, batch_size=2, shard_size=2, sources=("gsm",))
+    D.build_data(tiny_chat_target, tmp_path / "a", cfg, quiet=True, prompts=list(first))
+    assert D.read_manifest(tmp_path / "a")["config"]["exclude"] == []
+    cfg = D.BuildConfig(n_prompts=3, max_new_tokens=4, batch_size=3, shard_size=3, sources=("gsm",),
+                        exclude=(str(tmp_path / "a"),))
+    m = D.build_data(tiny_chat_target, tmp_path / "b", cfg, quiet=True)
+    got = {normalize(p.text) for p in D.read_prompts(tmp_path / "b" / D.PROMPTS)}
+    assert len(got) == 3 and not got & {normalize(p.text) for p in first}
+    assert m["config"]["exclude"] == [str(tmp_path / "a")] and m["sequences"] == 3
+    with pytest.raises(SpecdraftError, match="not a data folder"):
+        D.build_data(tiny_chat_target, tmp_path / "c", D.BuildConfig(**{**cfg.__dict__, "exclude": (str(tmp_path),)}),
+                     quiet=True)
+
+
 def test_magpie_prompts_come_from_the_user_prefix(tiny_chat_target):
     from specdraft.train.prompts import magpie_prompts, user_prefix
 

@@ -151,7 +151,9 @@ def build_data(target, out_dir: str | Path, cfg: BuildConfig | None = None, quie
         cfg = BuildConfig(**{**asdict(cfg), **manifest["config"], "sources": tuple(manifest["config"]["sources"]),
                              "exclude": tuple(manifest["config"].get("exclude", ()))})
     else:
-        if prompts is None:
+        if prompts is not None:  # given prompts are used as they are
+            cfg = BuildConfig(**{**asdict(cfg), "exclude": ()})
+        else:
             exclude = set()
             for other in cfg.exclude:
                 opath = Path(other) / PROMPTS

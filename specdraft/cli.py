@@ -395,8 +395,6 @@ def cmd_train(args) -> None:
                                 shards=args.shards, seed=args.seed)
         if args.serial + args.parallel < 1 or args.serial_layers < 1:
             raise SpecdraftError("a hybrid drafter needs --serial + --parallel >= 1 and --serial-layers >= 1")
-        if len(args.data) != len(args.features):
-            raise SpecdraftError(f"give one --features folder per --data folder (got {len(args.data)} and {len(args.features)})")
         for d in args.data:
             read_manifest(Path(d))  # a clear error for a folder that is not a data build
         if args.init and not Path(args.init).is_file():

@@ -77,8 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     db.add_argument("--sources", default="gsm,reasoning,codeio,magpie", help="comma-separated prompt sources")
     db.add_argument("--batch-size", type=int, default=32)
     db.add_argument("--shard-size", type=int, default=256)
-    db.add_argument("--magpie-seed", type=int, default=1000,
-                    help="sampling seed of the magpie instructions (another seed gives other instructions)")
+    db.add_argument("--magpie-seed", type=int, default=None,
+                    help="sampling seed of the magpie instructions (default: the training seed base, 1000; "
+                         "another seed gives other instructions)")
     db.add_argument("--exclude", action="append", default=[], metavar="DATA",
                     help="a data folder whose prompts this build must not repeat (repeatable)")
     db.add_argument("--quiet", action="store_true")
@@ -330,9 +331,9 @@ def cmd_data(args) -> None:
             if getattr(args, name) < 1:
                 raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 1")
         sources = tuple(x.strip() for x in args.sources.split(",") if x.strip())
+        seed = {} if args.magpie_seed is None else {"magpie_seed": args.magpie_seed}  # else BuildConfig's default
         cfg = BuildConfig(n_prompts=args.n_prompts, max_new_tokens=args.max_new_tokens, sources=sources,
-                          batch_size=args.batch_size, shard_size=args.shard_size, magpie_seed=args.magpie_seed,
-                          exclude=tuple(args.exclude))
+                          batch_size=args.batch_size, shard_size=args.shard_size, exclude=tuple(args.exclude), **seed)
         target = Target.load(args.target, device=args.device, dtype=args.dtype)
         m = build_data(target, args.out, cfg, quiet=args.quiet)
         print(f"{m['sequences']} responses, {m['response_tokens']:,} response tokens, {len(m['shards'])} shards "
@@ -514,6 +515,12 @@ def cmd_analyze(args) -> None:
             print("tokens per pass (predicted speed-up over greedy from the cost curve + measured drafting time); "
                   "best budget: " + "; ".join(f"{ds}: " + ", ".join(f"{d} {b}" for d, b in v.items())
                                               for ds, v in res["best_budget"].items()))
+        from specdraft.bench.stats import format_comparison
+
+        for ds, per_budget in res.get("paired", {}).items():
+            for b, comps in per_budget.items():
+                for c in comps:
+                    print(f"{ds}, budget {b}: {format_comparison(c)}")
         print(f"wrote {Path(args.out) / 'acceptance.json'}", file=sys.stderr)
     elif args.analyze_command == "coverage":
         from specdraft.bench.coverage import coverage_report

@@ -42,3 +42,16 @@ def test_coverage_report_replays_greedy_output_against_the_training_data(tiny_ch
     assert res["datasets"][str(ds)] == want and (tmp_path / "out" / "coverage.json").is_file()
     with pytest.raises(SpecdraftError, match="at least one --data"):
         coverage_report(t, [], [], [str(ds)], 2, 12, tmp_path / "out", quiet=True)
+
+
+def test_draft_vocabulary_of_the_shipped_hybrid_drafters(default_target):
+    """The lookup reads a real hybrid checkpoint's stored ids (not only a stand-in object)."""
+    from specdraft.checkpoint import load_checkpoint
+    from specdraft.drafters import make_drafter
+    from specdraft.drafters.hybrid import default_weights_path
+
+    for name in ("gumiho", "eagle", "medusa"):
+        tensors, manifest = load_checkpoint(default_weights_path(name))
+        vocab = drafter_vocabulary(make_drafter(name, default_target))
+        assert vocab == set(tensors["vocab_ids"].tolist()) and len(vocab) == manifest["config"]["draft_vocab"]
+    assert drafter_vocabulary(make_drafter("ngram", default_target)) is None

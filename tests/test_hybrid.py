@@ -460,9 +460,13 @@ def test_fine_tuning_from_a_checkpoint_on_two_data_folders(tiny_chat_target, tin
     assert va == va1 + [n1 + i for i in va2] and tr == tr1 + [n1 + i for i in tr2]
     assert used["groups"] == [n1, 5] and used["val"] == va  # the trainer split each folder on its own
     moved = tmp_path / "moved.safetensors"
-    tune(moved, lr=3e-3)  # it trains from there
+    mm = tune(moved, lr=3e-3)  # it trains from there
     c, _ = load_checkpoint(moved)
     assert torch.equal(a["vocab_ids"], c["vocab_ids"]) and any(not torch.equal(a[k], c[k]) for k in a if k != "vocab_ids")
+    # a fine-tune of the fine-tune keeps the whole history: the earlier extra folder and the first start
+    again = tune(tmp_path / "again.safetensors", lr=0.0, init=moved)
+    assert again["init"]["data_more"] == mm["data_more"] and again["init"]["init"]["history"] == m0["history"]
+    assert "init" not in mm["init"] and "data_more" not in mm["init"]  # base itself was neither
     with pytest.raises(SpecdraftError, match="another shape: parallel 2 .this run: 0.*serial 2 .this run: 3"):
         tune(tmp_path / "eagle.safetensors", lr=3e-3, serial=3, parallel=0)
     with pytest.raises(SpecdraftError, match="held-out sequences would include ones the checkpoint trained on"):

@@ -137,6 +137,47 @@ def plot_tokens_per_pass(results: dict, path: Path) -> str | None:
     return "distribution over prompts of each prompt's tokens per pass (these results carry no per-pass histogram)"
 
 
+def per_prompt_counts(rows: list[dict], method: str) -> list[tuple[int, int]] | None:
+    """Per prompt (committed tokens, passes) of ``method``, ordered by prompt; None when the rows
+    carry no pass counts (rows written before ``committed`` rebuild it from the rounded ratio)."""
+    got = sorted((r["prompt"], r) for r in rows if r.get("method") == method)
+    if not got or any(not r.get("passes") or r.get("tokens_per_pass") is None for _, r in got):
+        return None
+    return [(r["committed"] if r.get("committed") is not None else round(r["tokens_per_pass"] * r["passes"]),
+             r["passes"]) for _, r in got]
+
+
+def paired_section(results: dict) -> list[str]:
+    """Markdown table: every pair of drafters per dataset, tokens per pass compared over the same
+    prompts with a bootstrap interval (``specdraft.bench.stats``); empty with fewer than two."""
+    from specdraft.bench.stats import paired_comparisons, verdict
+
+    methods = drafter_methods(results)
+    if len(methods) < 2:
+        return []
+    budgets = results.get("config", {}).get("budgets", {})
+    lines = []
+    for ds, d in results["datasets"].items():
+        counts = {m: per_prompt_counts(d.get("rows", []), m) for m in methods}
+        counts = {m: c for m, c in counts.items() if c is not None}
+        if len({len(c) for c in counts.values()}) > 1 or len(counts) < 2:
+            continue
+        for c in paired_comparisons(counts):
+            ba, bb = budgets.get(c["a"]), budgets.get(c["b"])
+            same = "" if ba == bb else f" ({ba} vs {bb} nodes)"
+            lo, hi = c["ci"]
+            lines.append(f"| {ds} | {c['a']} - {c['b']}{same} | {c['diff']:+.3f} | [{lo:+.3f}, {hi:+.3f}] | "
+                         f"{100 * c['p_ahead']:.0f}% | {c['fewer_passes']} / {c['more_passes']} | {verdict(c)} |")
+    if not lines:
+        return []
+    return ["## Drafters compared, paired over prompts", "",
+            "Pooled tokens per pass of the first minus the second on the same prompts, with a 95% percentile "
+            "bootstrap interval over prompts (2,000 resamples, seed 0); a difference whose interval holds 0 is "
+            "a tie within the prompt sample's noise.", "",
+            "| dataset | pair | difference | 95% interval | first ahead in resamples | prompts with fewer / more "
+            "passes | verdict |", "|---|---|---|---|---|---|---|"] + lines + [""]
+
+
 # ---------------------------------------------------------------------- node budget
 def plot_budget_curve(curve: dict, results: dict | None, path: Path) -> int:
     """Cost of an N-token pass relative to one token; returns the budget picked from the curve."""
@@ -338,6 +379,10 @@ def write_report(out_dir: str | Path) -> Path:
         if caption:
             md += ["## Tokens per pass", "", f"Per drafter: {caption}.", "",
                    "![tokens per pass](tokens_per_pass.png)", ""]
+        try:
+            md += paired_section(results)
+        except (KeyError, TypeError, ValueError) as e:
+            problems.append(f"paired comparison skipped ({type(e).__name__}: {e})")
 
     md += _json_section(out, "cost_curve.json", used, problems, lambda c: _cost_section(c, results, out))
 

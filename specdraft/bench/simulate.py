@@ -103,13 +103,15 @@ def simulate(drafter, prompt: list[int], output: list[int], hidden: dict[int, to
 
 
 def simulate_dataset(target, drafters: dict, prompts: list[list[int]], outputs: list[list[int]], budgets: list[int],
-                     quiet: bool = True, draft_ms: dict | None = None) -> dict:
+                     quiet: bool = True, draft_ms: dict | None = None, per_prompt: dict | None = None) -> dict:
     """Tokens per pass (committed tokens / passes, pooled over prompts) per drafter per budget.
-    If ``draft_ms`` is a dict, it receives the mean wall time of one ``propose`` (ms) per drafter per budget."""
+    If ``draft_ms`` is a dict, it receives the mean wall time of one ``propose`` (ms) per drafter per budget;
+    if ``per_prompt`` is a dict, it receives each prompt's [committed tokens, passes] per drafter per budget."""
     from tqdm import tqdm
 
     layers = sorted({layer for d in drafters.values() for layer in d.hidden_layers})
     tot = {name: {b: [0, 0, 0.0] for b in budgets} for name in drafters}
+    each = {name: {b: [] for b in budgets} for name in drafters}
     for prompt, out in tqdm(list(zip(prompts, outputs)), desc="simulating", disable=quiet):
         hidden = sequence_hidden(target, list(prompt) + list(out), tuple(layers)) if layers else {}
         for name, d in drafters.items():
@@ -118,8 +120,11 @@ def simulate_dataset(target, drafters: dict, prompts: list[list[int]], outputs: 
                 tot[name][b][0] += r["tokens"]
                 tot[name][b][1] += r["passes"]
                 tot[name][b][2] += r["draft_s"]
+                each[name][b].append([r["tokens"], r["passes"]])
     if draft_ms is not None:
         draft_ms.update({name: {b: (1000 * s / p if p else 0.0) for b, (_, p, s) in v.items()} for name, v in tot.items()})
+    if per_prompt is not None:
+        per_prompt.update(each)
     return {name: {b: (t / p if p else 0.0) for b, (t, p, _) in v.items()} for name, v in tot.items()}
 
 
@@ -138,11 +143,16 @@ def acceptance_sweep(target, drafters: list[str], datasets: list[str], n: int, m
                      cache_dir: str | Path | None = None) -> dict:
     """Offline tokens per pass per dataset x drafter x budget; writes DIR/acceptance.json.
 
+    With several drafters it also compares every pair at each budget over the same prompts
+    (``paired``: pooled difference with a bootstrap interval, ``specdraft.bench.stats``), from the
+    per-prompt counts it stores under ``per_prompt``.
+
     Also records each drafter's mean ``propose`` time per budget (measured during the replay: run it
     on a quiet machine) and, when this machine's cost curve is stored, the predicted speed-up over
     plain greedy per budget and the best budget by that prediction."""
     from specdraft.bench.cost import load_cost_curve
     from specdraft.bench.datasets import load_prompts
+    from specdraft.bench.stats import paired_comparisons
     from specdraft.drafters import make_drafter
     from specdraft.errors import SpecdraftError
 
@@ -160,8 +170,13 @@ def acceptance_sweep(target, drafters: list[str], datasets: list[str], n: int, m
         outs = greedy_outputs(target, prompts, max_new_tokens, cache=Path(cache_dir or out / "greedy_outputs") / f"{Path(ds).stem}.json",
                               quiet=quiet)
         dms: dict = {}
-        res["datasets"][ds] = simulate_dataset(target, made, prompts, outs, budgets, quiet=quiet, draft_ms=dms)
+        each: dict = {}
+        res["datasets"][ds] = simulate_dataset(target, made, prompts, outs, budgets, quiet=quiet, draft_ms=dms,
+                                               per_prompt=each)
         res.setdefault("draft_ms", {})[ds] = dms
+        res.setdefault("per_prompt", {})[ds] = each
+        if len(made) > 1:  # same prompts and output for every drafter: compare them paired
+            res.setdefault("paired", {})[ds] = {b: paired_comparisons({m: each[m][b] for m in made}) for b in budgets}
     curve = load_cost_curve(target)
     if curve is not None:
         res["config"]["one_token_pass_ms"] = curve["ms"][0]

@@ -608,6 +608,9 @@ def train_hybrid(target, data_dir, feat_dir, out: str | Path, cfg: TrainConfig,
         manifest["init"] = {"path": str(cfg.init), "manifest_sha256": manifest_sha256(init_manifest),
                             "train": init_manifest.get("train"), "data": init_manifest.get("data"),
                             "history": init_manifest.get("history"), "train_wall_s": init_manifest.get("train_wall_s")}
+        for key in ("data_more", "init"):  # a fine-tune of a fine-tune keeps the whole history
+            if key in init_manifest:
+                manifest["init"][key] = init_manifest[key]
     sd = {k: (v.to(torch.float16) if v.is_floating_point() else v) for k, v in model.state_dict().items()}
     save_checkpoint(out, sd, manifest)
     spath.unlink(missing_ok=True)

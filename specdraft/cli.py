@@ -331,9 +331,10 @@ def cmd_data(args) -> None:
             if getattr(args, name) < 1:
                 raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 1")
         sources = tuple(x.strip() for x in args.sources.split(",") if x.strip())
-        seed = {} if args.magpie_seed is None else {"magpie_seed": args.magpie_seed}  # else BuildConfig's default
+        seed = BuildConfig.magpie_seed if args.magpie_seed is None else args.magpie_seed
         cfg = BuildConfig(n_prompts=args.n_prompts, max_new_tokens=args.max_new_tokens, sources=sources,
-                          batch_size=args.batch_size, shard_size=args.shard_size, exclude=tuple(args.exclude), **seed)
+                          batch_size=args.batch_size, shard_size=args.shard_size, magpie_seed=seed,
+                          exclude=tuple(args.exclude))
         target = Target.load(args.target, device=args.device, dtype=args.dtype)
         m = build_data(target, args.out, cfg, quiet=args.quiet)
         print(f"{m['sequences']} responses, {m['response_tokens']:,} response tokens, {len(m['shards'])} shards "

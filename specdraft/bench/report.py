@@ -139,12 +139,13 @@ def plot_tokens_per_pass(results: dict, path: Path) -> str | None:
 
 def per_prompt_counts(rows: list[dict], method: str) -> list[tuple[int, int]] | None:
     """Per prompt (committed tokens, passes) of ``method``, ordered by prompt; None when the rows
-    carry no pass counts (rows written before ``committed`` rebuild it from the rounded ratio)."""
+    carry no pass counts."""
+    from specdraft.bench.runner import row_committed
+
     got = sorted((r["prompt"], r) for r in rows if r.get("method") == method)
     if not got or any(not r.get("passes") or r.get("tokens_per_pass") is None for _, r in got):
         return None
-    return [(r["committed"] if r.get("committed") is not None else round(r["tokens_per_pass"] * r["passes"]),
-             r["passes"]) for _, r in got]
+    return [(row_committed(r), r["passes"]) for _, r in got]
 
 
 def paired_section(results: dict) -> list[str]:

@@ -112,6 +112,12 @@ def run_bench(
     return results
 
 
+def row_committed(row: dict) -> int:
+    """Tokens a bench row's target passes committed; rows written before ``committed`` was recorded
+    rebuild it from the rounded ratio."""
+    return row["committed"] if row.get("committed") is not None else round(row["tokens_per_pass"] * row["passes"])
+
+
 def summarize(rows: list[dict], methods: list[str]) -> dict:
     agg = {}
     for m in methods:
@@ -123,9 +129,7 @@ def summarize(rows: list[dict], methods: list[str]) -> dict:
         # which lets a short answer weigh as much as a long one, is kept alongside
         timed = [x for x in r if x["tokens_per_pass"] is not None and x.get("passes")]
         passes = sum(x["passes"] for x in timed)
-        # rows written before "committed" was recorded rebuild it from the rounded ratio
-        committed = sum(x["committed"] if x.get("committed") is not None else round(x["tokens_per_pass"] * x["passes"])
-                        for x in timed)
+        committed = sum(row_committed(x) for x in timed)
         divs = [x["divergence"] for x in r if x["divergence"] is not None]
         agg[m] = {"tok_s": toks / wall if wall else 0.0, "new_tokens": toks, "wall_s": wall,
                   "tokens_per_pass": committed / passes if passes else (sum(tpp) / len(tpp) if tpp else None),

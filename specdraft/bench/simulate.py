@@ -110,22 +110,22 @@ def simulate_dataset(target, drafters: dict, prompts: list[list[int]], outputs: 
     from tqdm import tqdm
 
     layers = sorted({layer for d in drafters.values() for layer in d.hidden_layers})
-    tot = {name: {b: [0, 0, 0.0] for b in budgets} for name in drafters}
-    each = {name: {b: [] for b in budgets} for name in drafters}
+    each = {name: {b: [] for b in budgets} for name in drafters}  # per prompt [tokens, passes]
+    draft_s = {name: {b: 0.0 for b in budgets} for name in drafters}
     for prompt, out in tqdm(list(zip(prompts, outputs)), desc="simulating", disable=quiet):
         hidden = sequence_hidden(target, list(prompt) + list(out), tuple(layers)) if layers else {}
         for name, d in drafters.items():
             for b in budgets:
                 r = simulate(d, prompt, out, hidden, b)
-                tot[name][b][0] += r["tokens"]
-                tot[name][b][1] += r["passes"]
-                tot[name][b][2] += r["draft_s"]
                 each[name][b].append([r["tokens"], r["passes"]])
+                draft_s[name][b] += r["draft_s"]
+    tot = {name: {b: (sum(t for t, _ in c), sum(p for _, p in c)) for b, c in v.items()} for name, v in each.items()}
     if draft_ms is not None:
-        draft_ms.update({name: {b: (1000 * s / p if p else 0.0) for b, (_, p, s) in v.items()} for name, v in tot.items()})
+        draft_ms.update({name: {b: (1000 * draft_s[name][b] / p if p else 0.0) for b, (_, p) in v.items()}
+                         for name, v in tot.items()})
     if per_prompt is not None:
         per_prompt.update(each)
-    return {name: {b: (t / p if p else 0.0) for b, (t, p, _) in v.items()} for name, v in tot.items()}
+    return {name: {b: (t / p if p else 0.0) for b, (t, p) in v.items()} for name, v in tot.items()}
 
 
 def predicted_speedup(curve: dict, tpp: float, budget: int, draft_ms: float) -> float | None:

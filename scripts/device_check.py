@@ -29,12 +29,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specdraft.drafters.base import NoDrafter  # noqa: E402
-from specdraft.drafters.block import BlockConfig, BlockDraftConfig, BlockDrafter, BlockModel  # noqa: E402
-from specdraft.drafters.hybrid import HybridConfig, HybridDraftConfig, HybridDrafter, HybridModel  # noqa: E402
-from specdraft.drafters.ngram import NgramConfig, NgramDrafter  # noqa: E402
+from specdraft.drafters.block import BlockDrafter, BlockOptions  # noqa: E402
+from specdraft.drafters.hybrid import HybridDrafter, HybridOptions  # noqa: E402
+from specdraft.drafters.ngram import NgramDrafter  # noqa: E402
 from specdraft.generate import GenerateConfig, generate  # noqa: E402
 from specdraft.model.llama import FINAL, causal_mask  # noqa: E402
 from specdraft.model.load import build_model, load_hf_folder  # noqa: E402
+from specdraft.nn.block import BlockConfig, BlockModel  # noqa: E402
+from specdraft.nn.hybrid import HybridConfig, HybridModel  # noqa: E402
 from specdraft.target import Target  # noqa: E402
 from specdraft.tree import Tree  # noqa: E402
 from specdraft.verify import Sampling  # noqa: E402
@@ -103,19 +105,19 @@ def random_params(module: torch.nn.Module, std: float, seed: int) -> None:
 def drafters(t: Target) -> dict:
     tm, tc = t.model, t.config
     ids = torch.arange(tc.vocab_size, device=tm.embed.weight.device)
-    made = {"ngram": lambda b: NgramDrafter(NgramConfig(budget=b))}
+    made = {"ngram": lambda: NgramDrafter()}
     for name, (s, m) in {"gumiho": (2, 2), "medusa": (0, 3), "eagle": (3, 0)}.items():
         cfg = HybridConfig.for_target(tc, serial=s, parallel=m, head_blocks=1, feature_layers=(1, FINAL), draft_vocab=0)
         hm = HybridModel(cfg, tm.embed.weight, tm.lm_head.weight, ids)
         random_params(hm, 0.3, 1)
         hm = hm.to(device=ids.device, dtype=tm.embed.weight.dtype).eval()
-        made[name] = lambda b, hm=hm: HybridDrafter(hm, HybridDraftConfig(budget=b, topk=4, beams=3))
+        made[name] = lambda hm=hm: HybridDrafter(hm, HybridOptions(topk=4, beams=3))
     for name, k, tree in (("block_linear", 1, "linear"), ("block_ddtree", 1, "ddtree"), ("mfd_mixture", 3, "mixture")):
         cfg = BlockConfig.for_target(tc, layers=1, block_size=6, feature_layers=(1, FINAL), modes=k, draft_vocab=0)
         bm = BlockModel(cfg, tm.embed.weight, tm.lm_head.weight, ids)
         random_params(bm, 0.3, 2)
         bm = bm.to(device=ids.device, dtype=tm.embed.weight.dtype).eval()
-        made[name] = lambda b, bm=bm, tree=tree: BlockDrafter(bm, BlockDraftConfig(tree=tree, topk=4, budget=b))
+        made[name] = lambda bm=bm, tree=tree: BlockDrafter(bm, BlockOptions(tree=tree, topk=4))
     return made
 
 
@@ -132,7 +134,7 @@ def check_lossless(device: str, root: Path) -> None:
             bad, tpp = [], []
             for budget in (1, 4, 16, 64):
                 for p, ref in zip(prompts, refs):
-                    r = generate(t, p, make(budget), cfg)
+                    r = generate(t, p, make(), GenerateConfig(max_new_tokens=cfg.max_new_tokens, budget=budget))
                     tpp.append(r.stats.tokens_per_pass)
                     if r.token_ids != ref:
                         bad.append(budget)
@@ -144,8 +146,9 @@ def check_sampling(device: str, root: Path) -> None:
     t = our_target(root / "llama", device)
     cfg = GenerateConfig(max_new_tokens=30, sampling=Sampling(temperature=0.8, top_p=0.9), seed=3)
     p = [7, 8, 9, 10, 11] * 4
-    a = generate(t, p, NgramDrafter(NgramConfig(budget=8)), cfg).token_ids
-    b = generate(t, p, NgramDrafter(NgramConfig(budget=8)), cfg).token_ids
+    cfg.budget = 8
+    a = generate(t, p, NgramDrafter(), cfg).token_ids
+    b = generate(t, p, NgramDrafter(), cfg).token_ids
     report("sampling_runs_and_repeats", a == b and len(a) > 0 and all(0 <= x < 96 for x in a), device=device,
            tokens=len(a))
 

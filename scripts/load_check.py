@@ -68,18 +68,19 @@ def main(argv: list[str] | None = None) -> int:
     import openai
 
     from specdraft.drafters import make_drafter
-    from specdraft.drafters.base import NoDrafter
-    from specdraft.generate import GenerateConfig, generate
-    from specdraft.server.engine import Engine, encode_messages
+    from specdraft.engine import Engine
+    from specdraft.generate import GenerateConfig
+    from specdraft.server.queue import RequestQueue
     from specdraft.target import Target
 
-    target = Target.load(args.target)
+    offline = Engine.load(args.target)
+    target = offline.target
     work = prompts(args.clients * args.requests)
     t0 = time.perf_counter()
     refs = {}
     for p in work:
-        ids = encode_messages(target, [{"role": "user", "content": p}])
-        refs[p] = generate(target, ids, NoDrafter(), GenerateConfig(max_new_tokens=args.max_tokens)).text
+        ids = target.encode_messages([{"role": "user", "content": p}])
+        refs[p] = offline.generate(ids, GenerateConfig(max_new_tokens=args.max_tokens)).text
     print(f"offline greedy references: {len(refs)} prompts in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
 
     server = None
@@ -91,9 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         from specdraft.server.app import ServerThread, create_app
 
         served = Target(target.model, target.tokenizer, target.name, target.weight_hash)  # its own KV cache
-        engine = Engine(served, make_drafter(args.drafter, served), max_queue=args.clients)
-        server = ServerThread(create_app(engine)).__enter__()
-        base, model = server.url, engine.model_id
+        queue = RequestQueue(Engine(served, make_drafter(args.drafter, served)), max_queue=args.clients)
+        server = ServerThread(create_app(queue)).__enter__()
+        base, model = server.url, queue.model_id
 
     results: list[dict] = []
     lock = threading.Lock()

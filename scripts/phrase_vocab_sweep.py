@@ -17,9 +17,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specdraft.bench.simulate import acceptance_sweep  # noqa: E402
+from specdraft.bench.acceptance import acceptance_sweep  # noqa: E402
+from specdraft.datasets import load_prompts  # noqa: E402
+from specdraft.nn.checkpoint import load_checkpoint  # noqa: E402
+from specdraft.nn.phrase import PhraseVocab  # noqa: E402
+from specdraft.replay import greedy_outputs  # noqa: E402
 from specdraft.target import Target  # noqa: E402
-from specdraft.train.phrase import TrainConfig, train_phrase  # noqa: E402
+from specdraft.train.phrase import PhraseTrainConfig, longest_entry, train_phrase  # noqa: E402
 
 
 def plot(table: dict, path: Path) -> None:
@@ -68,7 +72,7 @@ def main() -> None:
     for v in sizes:
         path = Path(args.heads) / f"phrase_{v}.safetensors"
         if not path.is_file():
-            train_phrase(target, args.data, args.features, path, TrainConfig(vocab_size=v, epochs=args.epochs),
+            train_phrase(target, args.data, args.features, path, PhraseTrainConfig(vocab_size=v, epochs=args.epochs),
                          log=lambda m: print(m, file=sys.stderr, flush=True))
         heads[v] = path
     specs = [f"{p}@ngram=0" for p in heads.values()] + [str(p) for p in heads.values()]
@@ -76,12 +80,6 @@ def main() -> None:
                            [args.budget], Path(args.heads), cache_dir=Path(args.heads) / "greedy_outputs")
     b = args.budget
     table: dict = {"budget": b, "sizes": sizes, "head_only": {}, "with_ngram": {}, "params": {}}
-    from specdraft.checkpoint import load_checkpoint
-
-    from specdraft.bench.datasets import load_prompts
-    from specdraft.bench.simulate import greedy_outputs
-    from specdraft.train.phrase import PhraseVocab, longest_entry
-
     outputs = {}  # the greedy outputs acceptance_sweep cached: positions with a matching entry
     for ds in ("gsm", "mtbench", "humaneval"):
         prompts = [target.encode_prompt(p) for p in load_prompts(ds, args.n)]

@@ -15,7 +15,7 @@ import time
 from collections import defaultdict
 
 import specdraft.generate as G
-from specdraft.bench.datasets import load_prompts
+from specdraft.datasets import load_prompts
 from specdraft.drafters import make_drafter
 from specdraft.generate import GenerateConfig, generate
 from specdraft.target import Target

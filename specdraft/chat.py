@@ -9,17 +9,16 @@ a reply stops that reply; at the prompt it exits.
 
 from __future__ import annotations
 
+import shutil
 import sys
 import threading
 import time
 import unicodedata
 from typing import TextIO
 
-from specdraft.drafters.base import Drafter, NoDrafter
+from specdraft.engine import Cancelled, Engine
 from specdraft.errors import SpecdraftError
-from specdraft.generate import GenerateConfig, GenerationResult, generate
-from specdraft.server.engine import Cancelled, HookedDrafter, encode_messages
-from specdraft.target import Target
+from specdraft.generate import GenerateConfig, GenerationResult
 
 HELP = "commands: /reset (forget the conversation), /exit (or Ctrl-D), /help"
 
@@ -69,8 +68,9 @@ class LiveStatus:
 class ChatSession:
     """The conversation and one reply at a time (usable without a terminal, e.g. in tests)."""
 
-    def __init__(self, target: Target, drafter: Drafter | None, config: GenerateConfig, system: str | None = None) -> None:
-        self.target, self.drafter, self.config, self.system = target, drafter or NoDrafter(), config, system
+    def __init__(self, engine: Engine, config: GenerateConfig, system: str | None = None) -> None:
+        self.engine, self.config, self.system = engine, config, system
+        self.target, self.drafter = engine.target, engine.drafter
         self.messages: list[dict] = []
         self.dropped = 0  # turns dropped from the last prompt to fit the context
         self.reset()
@@ -83,7 +83,7 @@ class ChatSession:
         ctx = self.target.config.max_position
         dropped = 0
         while True:
-            ids = encode_messages(self.target, self.messages)
+            ids = self.target.encode_messages(self.messages)
             if len(ids) + min(self.config.max_new_tokens, 16) < ctx:
                 return ids, dropped
             first = 1 if self.messages[0]["role"] == "system" else 0
@@ -108,9 +108,8 @@ class ChatSession:
             dt = time.perf_counter() - t0
             out.status(f" [{counts['tokens'] / dt:.1f} tok/s, {(counts['tokens'] - 1) / counts['passes']:.2f} tok/pass]")
 
-        drafter = HookedDrafter(self.drafter, cancel=cancel, on_pass=on_pass)
         try:
-            r = generate(self.target, ids, drafter, self.config, on_text=out.text)
+            r = self.engine.generate(ids, self.config, on_text=out.text, cancel=cancel, on_pass=on_pass)
         except BaseException:
             self.messages.pop()  # an interrupted turn is forgotten
             raise
@@ -133,8 +132,6 @@ def run_chat(session: ChatSession, stdin: TextIO | None = None, stdout: TextIO |
     tty = stdin.isatty() and stdout.isatty()
     width = 80
     if tty:
-        import shutil
-
         width = shutil.get_terminal_size().columns
         try:
             import readline  # noqa: F401 - line editing and history for input()

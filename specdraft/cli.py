@@ -1,13 +1,52 @@
-"""Command line: ``specdraft generate``, ``specdraft bench`` and ``specdraft data``."""
+"""Command line (argument parsing only): ``specdraft generate``, ``chat``, ``serve``, ``drafters``,
+``bench``, ``analyze``, ``data`` and ``train``.  Every command that needs a model starts from
+``Engine.load``."""
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import sys
 from pathlib import Path
 
+from specdraft.bench.acceptance import acceptance_sweep
+from specdraft.bench.batch_curve import batch_curve
+from specdraft.bench.chimeras import ChimeraConfig, chimera_report, format_summary
+from specdraft.bench.cost import measure_cost_curve
+from specdraft.bench.coverage import coverage_report
+from specdraft.bench.report import format_table, write_report
+from specdraft.bench.runner import plot_cost_curve, run_bench
+from specdraft.bench.stats import format_comparison
+from specdraft.chat import ChatSession, run_chat
+from specdraft.drafters.budget import save_cost_curve
+from specdraft.drafters.registry import DRAFTERS, drafters_table
+from specdraft.engine import Engine
 from specdraft.errors import SpecdraftError
+from specdraft.generate import GenerateConfig
+from specdraft.nn.phrase import FEATURE_LAYER
+from specdraft.server.queue import RequestQueue
+from specdraft.train.block import BlockTrainConfig, train_block
+from specdraft.train.data import BuildConfig, build_data, cache_features, read_manifest
+from specdraft.train.hybrid import HybridTrainConfig, train_hybrid
+from specdraft.train.phrase import PhraseTrainConfig, train_phrase
+from specdraft.train.profile import add_budget_profile
+from specdraft.verify import Sampling
+
+DRAFTER_HELP = f"{', '.join(DRAFTERS)} (options: NAME@key=value; see `specdraft drafters`) or a drafter checkpoint path"
+
+
+def _layers(text: str) -> tuple[int, ...]:
+    """``--layers 3,15,27,-1`` -> (3, 15, 27, -1)."""
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise SpecdraftError(f"--layers must be comma-separated integers (got {text!r})") from None
+
+
+def _engine(args, drafter: str = "none", budget: int | None = None) -> Engine:
+    """The target of ``--target/--device/--dtype`` with ``drafter``: every command loads through here."""
+    return Engine.load(args.target, drafter, device=args.device, dtype=args.dtype, budget=budget)
 
 
 def _add_trainer_args(p, many: bool = False) -> None:
@@ -42,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", nargs="?", help="the prompt (or use --file)")
     g.add_argument("--file", help="read the prompt from this file ('-' = stdin)")
     _add_target_args(g)
-    g.add_argument("--drafter", default="ngram", help="none, ngram, phrase, gumiho, medusa, eagle or a drafter checkpoint path (default: ngram)")
+    g.add_argument("--drafter", default="ngram", help=DRAFTER_HELP + " (default: ngram)")
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
@@ -55,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quiet", action="store_true", help="no stats line on stderr")
 
     b = sub.add_parser("bench", help="benchmark against HF transformers generate() on the same prompts")
-    b.add_argument("--drafter", action="append", default=[], help="drafter to run (repeatable)")
+    b.add_argument("--drafter", action="append", default=[], help="drafter to run (repeatable): " + DRAFTER_HELP)
     b.add_argument("--dataset", action="append", default=[], help="mtbench, humaneval, gsm or a .jsonl file (repeatable)")
     b.add_argument("--n", type=int, default=20, help="prompts per dataset")
     b.add_argument("--max-new-tokens", type=int, default=256)
@@ -67,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write OUT/report.md with plots from the JSON files in --out (after the run if --dataset is given)")
     b.add_argument("--quiet", action="store_true", help="no progress bars")
     _add_target_args(b)
+
+    dr = sub.add_parser("drafters", help="list the registered drafters, their options and shipped weights")
+    dr.add_argument("--markdown", action="store_true", help="print the table in Markdown (as in the README)")
 
     d = sub.add_parser("data", help="training data: the target's own responses to training prompts")
     dsub = d.add_subparsers(dest="data_command", required=True)
@@ -155,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat/completions, completions, models, health)")
     _add_target_args(sv)
-    sv.add_argument("--drafter", default="ngram", help="drafter name or checkpoint (default: ngram)")
+    sv.add_argument("--drafter", default="ngram", help=DRAFTER_HELP + " (default: ngram)")
     sv.add_argument("--budget", type=int, default=None, help="drafted nodes per tree (default: the drafter's)")
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     sv.add_argument("--port", type=int, default=8000)
@@ -167,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("chat", help="interactive terminal chat (streams replies, live tok/s and tokens per pass)")
     _add_target_args(c)
-    c.add_argument("--drafter", default="ngram", help="drafter name or checkpoint (default: ngram)")
+    c.add_argument("--drafter", default="ngram", help=DRAFTER_HELP + " (default: ngram)")
     c.add_argument("--budget", type=int, default=None)
     c.add_argument("--max-new-tokens", type=int, default=512)
     c.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -227,24 +269,19 @@ def _read_prompt(args) -> str:
 
 
 def cmd_generate(args) -> None:
-    from specdraft.drafters import make_drafter
-    from specdraft.generate import GenerateConfig, generate
-    from specdraft.target import Target
-    from specdraft.verify import Sampling
-
     prompt = _read_prompt(args)
     if not prompt.strip():
         raise SpecdraftError("the prompt is empty")
     sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     if args.max_new_tokens < 1:
         raise SpecdraftError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
-    target = Target.load(args.target, device=args.device, dtype=args.dtype)
-    drafter = make_drafter(args.drafter, target, budget=args.budget)
-    ids = target.encode_prompt(prompt, raw=args.raw)
+    engine = _engine(args, args.drafter, args.budget)
+    drafter = engine.drafter
+    ids = engine.target.encode_prompt(prompt, raw=args.raw)
     cfg = GenerateConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
                          stop=args.stop, budget=args.budget)
     on_text = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    r = generate(target, ids, drafter, cfg, on_text=on_text)
+    r = engine.generate(ids, cfg, on_text=on_text)
     st = r.stats
     if args.json:
         obj = {"text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
@@ -263,18 +300,11 @@ def cmd_generate(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from specdraft.bench.runner import plot_cost_curve, run_bench
-
     if args.report and not (args.dataset or args.cost_curve or args.batch_curve):
-        from specdraft.bench.report import write_report
-
         print(f"wrote {write_report(args.out)}", file=sys.stderr)
         return
     if args.cost_curve:
-        from specdraft.bench.cost import measure_cost_curve, save_cost_curve
-        from specdraft.target import Target
-
-        target = Target.load(args.target, device=args.device, dtype=args.dtype)
+        target = _engine(args).target
         curve = measure_cost_curve(target, quiet=args.quiet)
         path = save_cost_curve(target, curve)
         out = Path(args.out)
@@ -286,10 +316,7 @@ def cmd_bench(args) -> None:
         if not args.dataset:
             return
     if args.batch_curve:
-        from specdraft.bench.batch import batch_curve
-        from specdraft.target import Target
-
-        target = Target.load(args.target, device=args.device, dtype=args.dtype)
+        target = _engine(args).target
         res = batch_curve(target, quiet=args.quiet)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -306,26 +333,19 @@ def cmd_bench(args) -> None:
     print(format_table(res))
     print(f"wrote {Path(args.out) / 'results.json'} and {Path(args.out) / 'speedup.png'}", file=sys.stderr)
     if args.report:
-        from specdraft.bench.report import write_report
-
         print(f"wrote {write_report(args.out)}", file=sys.stderr)
 
 
-def format_table(res: dict) -> str:
-    lines = ["| dataset | method | tok/s | vs hf_generate | vs greedy | tokens/pass | exact_match |",
-             "|---|---|---|---|---|---|---|"]
-    for ds, d in res["datasets"].items():
-        for m, v in d["methods"].items():
-            tpp = "-" if v["tokens_per_pass"] is None else f"{v['tokens_per_pass']:.2f}"
-            em = f"{v['exact_match']:.2f}" + ("" if v["exact_match"] == 1 or not v["divergences_all_ties"] else " (ties)")
-            lines.append(f"| {ds} | {m} | {v['tok_s']:.1f} | {v['speedup_vs_hf']:.2f}x | {v['speedup_vs_greedy']:.2f}x | {tpp} | {em} |")
-    return "\n".join(lines)
+def cmd_drafters(args) -> None:
+    if args.markdown:
+        print(drafters_table())
+        return
+    for line in drafters_table().splitlines()[2:]:  # the same rows as plain text
+        name, summary, options, weights = (c.strip().strip("`") for c in line.strip("|").split(" | "))
+        print(f"{name:8s} {summary}\n         options: {options}; weights: {weights}")
 
 
 def cmd_data(args) -> None:
-    from specdraft.target import Target
-    from specdraft.train.data import BuildConfig, build_data, cache_features
-
     if args.data_command == "build":
         for name in ("n_prompts", "max_new_tokens", "batch_size", "shard_size"):
             if getattr(args, name) < 1:
@@ -335,48 +355,34 @@ def cmd_data(args) -> None:
         cfg = BuildConfig(n_prompts=args.n_prompts, max_new_tokens=args.max_new_tokens, sources=sources,
                           batch_size=args.batch_size, shard_size=args.shard_size, magpie_seed=seed,
                           exclude=tuple(args.exclude))
-        target = Target.load(args.target, device=args.device, dtype=args.dtype)
+        target = _engine(args).target
         m = build_data(target, args.out, cfg, quiet=args.quiet)
         print(f"{m['sequences']} responses, {m['response_tokens']:,} response tokens, {len(m['shards'])} shards "
               f"in {args.out} ({m['wall_s'] / 60:.1f} min of regeneration)", file=sys.stderr)
     else:
-        try:
-            layers = tuple(int(x) for x in args.layers.split(","))
-        except ValueError:
-            raise SpecdraftError(f"--layers must be comma-separated integers (got {args.layers!r})") from None
-        target = Target.load(args.target, device=args.device, dtype=args.dtype)
-        bad = [x for x in layers if not -1 <= x <= target.config.num_layers]
-        if bad:
-            raise SpecdraftError(f"layer {bad[0]} out of range (0..{target.config.num_layers}, or -1)")
+        layers = _layers(args.layers)
+        target = _engine(args).target
+        target.config.check_layers(layers, "--layers: layer")
         out = cache_features(target, args.data, args.out, layers, batch_size=args.batch_size, quiet=args.quiet)
         print(f"features in {out}", file=sys.stderr)
 
 
 def cmd_train(args) -> None:
-    from specdraft.target import Target
-
     if args.train_command == "phrase":
-        from specdraft.train.data import cache_features, read_manifest
-        from specdraft.train.phrase import FEATURE_LAYER, TrainConfig, train_phrase
-
         for name in ("vocab_size", "epochs", "batch_size"):
             if getattr(args, name) < 1:
                 raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 1")
         if not str(args.out).endswith(".safetensors"):
             raise SpecdraftError("--out must be a .safetensors file")
         read_manifest(Path(args.data))  # a clear error for a folder that is not a data build
-        target = Target.load(args.target, device=args.device, dtype=args.dtype)
+        target = _engine(args).target
         feats = Path(args.features) if args.features else Path(args.data) / "features"
         cache_features(target, args.data, feats, (FEATURE_LAYER,), quiet=args.quiet)  # skips shards already there
-        cfg = TrainConfig(vocab_size=args.vocab_size, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+        cfg = PhraseTrainConfig(vocab_size=args.vocab_size, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                           seed=args.seed)
         log = (lambda *a, **k: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
         train_phrase(target, args.data, feats, args.out, cfg, quiet=args.quiet, log=log)
     elif args.train_command == "hybrid":
-        from specdraft.train.data import read_manifest
-        from specdraft.train.hybrid import TrainConfig as HybridTrainConfig
-        from specdraft.train.hybrid import train_hybrid
-
         for name in ("epochs", "batch_tokens"):
             if getattr(args, name) < 1:
                 raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 1")
@@ -385,10 +391,7 @@ def cmd_train(args) -> None:
                 raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 0")
         if not str(args.out).endswith(".safetensors"):
             raise SpecdraftError("--out must be a .safetensors file")
-        try:
-            layers = tuple(int(x) for x in args.layers.split(","))
-        except ValueError:
-            raise SpecdraftError(f"--layers must be comma-separated integers (got {args.layers!r})") from None
+        layers = _layers(args.layers)
         cfg = HybridTrainConfig(serial=args.serial, parallel=args.parallel, serial_layers=args.serial_layers,
                                 head_blocks=args.head_blocks, feature_layers=layers, draft_vocab=args.draft_vocab,
                                 epochs=args.epochs, anchors=args.anchors, batch_tokens=args.batch_tokens, lr=args.lr,
@@ -401,22 +404,16 @@ def cmd_train(args) -> None:
             read_manifest(Path(d))  # a clear error for a folder that is not a data build
         if args.init and not Path(args.init).is_file():
             raise SpecdraftError(f"--init {args.init}: no such checkpoint")
-        target = Target.load(args.target, device=args.device, dtype=args.dtype)
+        target = _engine(args).target
         log = (lambda *a, **k: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
         train_hybrid(target, args.data, args.features, args.out, cfg, quiet=args.quiet, log=log)
     elif args.train_command == "profile":
-        from specdraft.train.profile import add_budget_profile
-
         if args.max_seqs < 1:
             raise SpecdraftError("--max-seqs must be >= 1")
-        target = Target.load(args.target, device=args.device, dtype=args.dtype)
+        target = _engine(args).target
         prof = add_budget_profile(target, args.checkpoint, args.data, max_seqs=args.max_seqs, quiet=args.quiet)
         print(json.dumps(prof, indent=1))
     elif args.train_command == "block":
-        from specdraft.train.block import TrainConfig as BlockTrainConfig
-        from specdraft.train.block import train_block
-        from specdraft.train.data import read_manifest
-
         for name in ("modes", "epochs", "batch_tokens", "draft_layers"):
             if getattr(args, name) < 1:
                 raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 1")
@@ -427,46 +424,30 @@ def cmd_train(args) -> None:
             raise SpecdraftError("--block-size must be >= 2 and --gamma > 0")
         if not str(args.out).endswith(".safetensors"):
             raise SpecdraftError("--out must be a .safetensors file")
-        try:
-            layers = tuple(int(x) for x in args.layers.split(","))
-        except ValueError:
-            raise SpecdraftError(f"--layers must be comma-separated integers (got {args.layers!r})") from None
+        layers = _layers(args.layers)
         cfg = BlockTrainConfig(modes=args.modes, draft_layers=args.draft_layers, block_size=args.block_size,
                                feature_layers=layers, draft_vocab=args.draft_vocab, epochs=args.epochs, steps=args.steps,
                                anchors=args.anchors, batch_tokens=args.batch_tokens, lr=args.lr, gamma=args.gamma,
                                shards=args.shards, seed=args.seed, gate=not args.no_gate)
         read_manifest(Path(args.data))  # a clear error for a folder that is not a data build
-        target = Target.load(args.target, device=args.device, dtype=args.dtype)
+        target = _engine(args).target
         log = (lambda *a, **k: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
         train_block(target, args.data, args.features, args.out, cfg, quiet=args.quiet, log=log)
 
 
-def _engine_parts(args):
-    from specdraft.drafters import make_drafter
-    from specdraft.target import Target
-
-    if args.budget is not None and args.budget < 0:
-        raise SpecdraftError(f"--budget must be >= 0 (got {args.budget})")
-    target = Target.load(args.target, device=args.device, dtype=args.dtype)
-    return target, make_drafter(args.drafter, target, budget=args.budget)
-
-
 def cmd_serve(args) -> None:
-    import ipaddress
-
     try:
-        from specdraft.server.app import serve
+        from specdraft.server.app import serve  # the web stack, only for this command
     except ImportError as e:
         raise SpecdraftError(f"the server needs fastapi and uvicorn ({e})") from None
-    from specdraft.server.engine import Engine
 
     if not 0 <= args.port <= 65535:
         raise SpecdraftError(f"--port must be in 0..65535 (got {args.port})")
     if args.temperature < 0:
         raise SpecdraftError(f"--temperature must be >= 0 (got {args.temperature})")
-    target, drafter = _engine_parts(args)
-    engine = Engine(target, drafter, model_id=args.model_name, max_queue=args.max_queue,
-                    default_max_tokens=args.max_tokens, default_temperature=args.temperature, budget=args.budget)
+    engine = _engine(args, args.drafter, args.budget)
+    queue = RequestQueue(engine, model_id=args.model_name, max_queue=args.max_queue,
+                         default_max_tokens=args.max_tokens, default_temperature=args.temperature, budget=args.budget)
     try:
         loopback = args.host == "localhost" or ipaddress.ip_address(args.host).is_loopback
     except ValueError:
@@ -474,33 +455,26 @@ def cmd_serve(args) -> None:
     if not loopback:
         print(f"warning: binding to {args.host}, reachable from other machines; there is no authentication",
               file=sys.stderr)
-    print(f"serving {engine.model_id} ({drafter.name} drafter) at http://{args.host}:{args.port}/v1", file=sys.stderr)
-    serve(engine, host=args.host, port=args.port, quiet=args.quiet)
+    print(f"serving {queue.model_id} ({engine.drafter.name} drafter) at http://{args.host}:{args.port}/v1", file=sys.stderr)
+    serve(queue, host=args.host, port=args.port, quiet=args.quiet)
 
 
 def cmd_chat(args) -> None:
-    from specdraft.chat import ChatSession, run_chat
-    from specdraft.generate import GenerateConfig
-    from specdraft.verify import Sampling
-
     if args.max_new_tokens < 1:
         raise SpecdraftError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
     sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    target, drafter = _engine_parts(args)
+    engine = _engine(args, args.drafter, args.budget)
     cfg = GenerateConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, budget=args.budget)
-    run_chat(ChatSession(target, drafter, cfg, system=args.system), quiet=args.quiet)
+    run_chat(ChatSession(engine, cfg, system=args.system), quiet=args.quiet)
 
 
 def cmd_analyze(args) -> None:
-    from specdraft.bench.simulate import acceptance_sweep
-    from specdraft.target import Target
-
     if args.analyze_command == "acceptance":
         if not args.dataset:
             raise SpecdraftError("give at least one --dataset")
         if args.n < 1 or args.max_new_tokens < 1:
             raise SpecdraftError("--n and --max-new-tokens must be >= 1")
-        target = Target.load(args.target, device=args.device, dtype=args.dtype)
+        target = _engine(args).target
         budgets = args.budget or [3]
         res = acceptance_sweep(target, args.drafter, args.dataset, args.n, args.max_new_tokens, budgets, args.out,
                                quiet=args.quiet)
@@ -516,21 +490,17 @@ def cmd_analyze(args) -> None:
             print("tokens per pass (predicted speed-up over greedy from the cost curve + measured drafting time); "
                   "best budget: " + "; ".join(f"{ds}: " + ", ".join(f"{d} {b}" for d, b in v.items())
                                               for ds, v in res["best_budget"].items()))
-        from specdraft.bench.stats import format_comparison
-
         for ds, per_budget in res.get("paired", {}).items():
             for b, comps in per_budget.items():
                 for c in comps:
                     print(f"{ds}, budget {b}: {format_comparison(c)}")
         print(f"wrote {Path(args.out) / 'acceptance.json'}", file=sys.stderr)
     elif args.analyze_command == "coverage":
-        from specdraft.bench.coverage import coverage_report
-
         if not args.dataset or not args.data:
             raise SpecdraftError("give at least one --data folder and one --dataset")
         if args.n < 1 or args.max_new_tokens < 1:
             raise SpecdraftError("--n and --max-new-tokens must be >= 1")
-        target = Target.load(args.target, device=args.device, dtype=args.dtype)
+        target = _engine(args).target
         res = coverage_report(target, args.data, args.drafter, args.dataset, args.n, args.max_new_tokens, args.out,
                               quiet=args.quiet)
         names = list(dict.fromkeys(args.drafter))
@@ -543,15 +513,13 @@ def cmd_analyze(args) -> None:
               f"{res['config']['training_distinct_tokens']:,} distinct", file=sys.stderr)
         print(f"wrote {Path(args.out) / 'coverage.json'}", file=sys.stderr)
     elif args.analyze_command == "chimeras":
-        from specdraft.bench.chimeras import ChimeraConfig, chimera_report, format_summary
-
         cfg = ChimeraConfig(budget=args.budget, contexts_per_prompt=args.contexts_per_prompt, samples=args.samples,
                             top_k=args.top_k, seed=args.seed)
         if not args.dataset:
             raise SpecdraftError("give at least one --dataset")
         if args.n < 1 or args.max_new_tokens < 1:
             raise SpecdraftError("--n and --max-new-tokens must be >= 1")
-        target = Target.load(args.target, device=args.device, dtype=args.dtype)
+        target = _engine(args).target
         res = chimera_report(target, args.drafter, args.dataset, args.n, args.max_new_tokens, cfg, args.out,
                              quiet=args.quiet)
         print(format_summary(res))
@@ -560,7 +528,7 @@ def cmd_analyze(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    commands = {"generate": cmd_generate, "bench": cmd_bench, "data": cmd_data, "serve": cmd_serve,
+    commands = {"generate": cmd_generate, "drafters": cmd_drafters, "bench": cmd_bench, "data": cmd_data, "serve": cmd_serve,
                 "chat": cmd_chat, "train": cmd_train, "analyze": cmd_analyze}
     try:
         commands[args.command](args)

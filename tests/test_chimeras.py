@@ -8,7 +8,7 @@ import torch
 
 from specdraft.bench.chimeras import (ChimeraConfig, Tally, analyze_prompt, chimera_report, chimera_stats, classify,
                                       context_steps, continuations)
-from specdraft.bench.simulate import greedy_outputs
+from specdraft.replay import greedy_outputs
 from specdraft.errors import SpecdraftError
 from specdraft.model.llama import causal_mask
 from specdraft.search import ddtree, mixture_marginals, mixture_tree

@@ -8,7 +8,7 @@ import torch
 from specdraft.drafters import make_drafter
 from specdraft.drafters.base import NoDrafter
 from specdraft.drafters.combine import WithNgram, merge, node_paths
-from specdraft.drafters.hybrid import HybridDraftConfig, HybridDrafter
+from specdraft.drafters.hybrid import HybridDrafter, HybridOptions
 from specdraft.errors import SpecdraftError
 from specdraft.generate import GenerateConfig, generate
 from specdraft.tree import Tree
@@ -42,7 +42,8 @@ def test_model_drafter_with_lookup_is_lossless(tiny_chat_target):
         ids = t.encode_prompt(p)
         ref = generate(t, ids, NoDrafter(), GenerateConfig(max_new_tokens=32)).token_ids
         for budget, lookup in ((1, 1), (4, 2), (9, 6)):
-            d = WithNgram(HybridDrafter(model, HybridDraftConfig(budget=budget, topk=3, beams=2)), lookup)
+            d = WithNgram(HybridDrafter(model, HybridOptions(topk=3, beams=2)), lookup)
+            d.default_budget = budget
             r = generate(t, ids, d, GenerateConfig(max_new_tokens=32))
             assert r.token_ids == ref, (p, budget, lookup)
 
@@ -54,7 +55,7 @@ def test_lookup_option_errors(tiny_llama):
 
 
 def test_budget_option_sets_any_drafters_budget(tiny_llama):
-    assert make_drafter("ngram@budget=5", tiny_llama[1]).cfg.budget == 5
+    assert make_drafter("ngram@budget=5", tiny_llama[1]).default_budget == 5
     for bad in ("ngram@budget=x", "ngram@budget=-2"):
         with pytest.raises(SpecdraftError):
             make_drafter(bad, tiny_llama[1])

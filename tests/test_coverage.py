@@ -28,7 +28,7 @@ def test_coverage_stats_on_hand_written_outputs():
 
 
 def test_coverage_report_replays_greedy_output_against_the_training_data(tiny_chat_target, tiny_train_data, tmp_path):
-    from specdraft.bench.simulate import greedy_outputs
+    from specdraft.replay import greedy_outputs
     from specdraft.train.data import load_sequences
 
     t = tiny_chat_target
@@ -46,12 +46,12 @@ def test_coverage_report_replays_greedy_output_against_the_training_data(tiny_ch
 
 def test_draft_vocabulary_of_the_shipped_hybrid_drafters(default_target):
     """The lookup reads a real hybrid checkpoint's stored ids (not only a stand-in object)."""
-    from specdraft.checkpoint import load_checkpoint
+    from specdraft.nn.checkpoint import load_checkpoint
     from specdraft.drafters import make_drafter
-    from specdraft.drafters.hybrid import default_weights_path
+    from specdraft.drafters.registry import weights_path
 
     for name in ("gumiho", "eagle", "medusa"):
-        tensors, manifest = load_checkpoint(default_weights_path(name))
+        tensors, manifest = load_checkpoint(weights_path(name))
         vocab = drafter_vocabulary(make_drafter(name, default_target))
         assert vocab == set(tensors["vocab_ids"].tolist()) and len(vocab) == manifest["config"]["draft_vocab"]
     assert drafter_vocabulary(make_drafter("ngram", default_target)) is None

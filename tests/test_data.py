@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from specdraft.batch import generate_batch
+from specdraft.model.batched_decode import generate_batch
 from specdraft.errors import SpecdraftError
 from specdraft.generate import GenerateConfig, generate
 from specdraft.train import data as D
@@ -53,7 +53,7 @@ def test_disk_full_is_a_clear_error(tmp_path, monkeypatch):
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("safetensors.torch.save_file", full)
+    monkeypatch.setattr(D, "save_file", full)
     with pytest.raises(SpecdraftError, match="disk full while writing .*shard_00003"):
         D.save_shard(tmp_path / "shard_00003.safetensors", [D.Sequence([1, 2], 1, 0, True)])
 
@@ -96,7 +96,7 @@ def test_build_refuses_other_targets_folder(tiny_chat_target, tiny_llama, tmp_pa
 
 
 def test_no_benchmark_prompt_in_training_prompts(monkeypatch):
-    from specdraft.bench.datasets import gsm_prompts, mtbench_prompts
+    from specdraft.datasets import gsm_prompts, mtbench_prompts
     import specdraft.train.prompts as P
 
     bench = benchmark_prompt_set()

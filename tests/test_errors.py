@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specdraft import cli
-from specdraft.checkpoint import load_checkpoint, save_checkpoint
+from specdraft.nn.checkpoint import load_checkpoint, save_checkpoint
 from specdraft.errors import SpecdraftError
 
 

@@ -11,8 +11,11 @@ import torch
 
 from specdraft.drafters import make_drafter
 from specdraft.drafters.base import NoDrafter
-from specdraft.drafters.hybrid import (HybridConfig, HybridDraftConfig, HybridDrafter, HybridModel, Level,
-                                       build_beam_tree, default_weights_path, expand_level, parallel_levels)
+from specdraft.drafters.hybrid import (HybridDrafter, HybridOptions, Level, build_beam_tree, expand_level,
+                                       parallel_levels)
+from specdraft.drafters.registry import weights_path
+from specdraft.nn.hybrid import HybridConfig, HybridModel
+from specdraft.train import corpus as C
 from specdraft.errors import SpecdraftError
 from specdraft.generate import GenerateConfig, generate
 from specdraft.model.llama import FINAL, ForwardOutput
@@ -99,11 +102,11 @@ def _random_model(target, serial: int, parallel: int, seed: int = 0, vocab: int 
 
 @pytest.mark.parametrize("kind", sorted(CONFIGS))
 def test_drafting_steps_equal_the_training_maths(tiny_llama, kind):
-    from specdraft.bench.simulate import sequence_hidden
+    from specdraft.replay import sequence_hidden
 
     _, target, _ = tiny_llama
     model = _random_model(target, *CONFIGS[kind], vocab=48)
-    d = HybridDrafter(model, HybridDraftConfig(topk=8, beams=8))
+    d = HybridDrafter(model, HybridOptions(topk=8, beams=8))
     seq = torch.randint(2, 96, (30,), generator=torch.Generator().manual_seed(3)).tolist()
     hid = sequence_hidden(target, seq, d.hidden_layers)
     p = 12
@@ -119,7 +122,7 @@ def test_drafting_steps_equal_the_training_maths(tiny_llama, kind):
         toks = seq[: n + 1] + [t for t, _ in chain]
         feats = torch.zeros(len(toks), sum(h.shape[-1] for h in hid.values()))
         feats[:n] = torch.cat([hid[k][0, :n] for k in d.hidden_layers], -1)
-        batch = H.Batch(torch.tensor([toks]), torch.tensor([len(toks)]), torch.tensor([0]), feats[None], None,
+        batch = H.AnchorBatch(torch.tensor([toks]), torch.tensor([len(toks)]), torch.tensor([0]), feats[None], None,
                         torch.tensor([[n - 1]]), torch.tensor([[True]]))
         with torch.no_grad():
             states = H.draft_states(model, batch)
@@ -167,7 +170,7 @@ def test_serial_unroll_adds_the_longer_serial_parts_states_only(tiny_llama):
     gen = torch.Generator().manual_seed(5)
     toks = torch.randint(2, 96, (2, 24), generator=gen)
     feats = torch.randn(2, 24, 2 * target.config.hidden_size, generator=gen)
-    batch = H.Batch(toks, torch.tensor([24, 20]), torch.tensor([3, 3]), feats, None,
+    batch = H.AnchorBatch(toks, torch.tensor([24, 20]), torch.tensor([3, 3]), feats, None,
                     torch.tensor([[4, 9, 12], [5, 6, 10]]), torch.ones(2, 3, dtype=torch.bool))
     with torch.no_grad():
         base = H.draft_states(model, batch)
@@ -179,7 +182,7 @@ def test_serial_unroll_adds_the_longer_serial_parts_states_only(tiny_llama):
     for a, b in zip(unrolled[5:], ref[2:4]):
         torch.testing.assert_close(a, b)
     with pytest.raises(SpecdraftError, match="serial_unroll"):
-        H.TrainConfig(serial=2, serial_unroll=1)
+        H.HybridTrainConfig(serial=2, serial_unroll=1)
 
 
 def test_head_grad_scales_only_the_heads_gradient_into_the_serial_part(tiny_llama):
@@ -191,7 +194,7 @@ def test_head_grad_scales_only_the_heads_gradient_into_the_serial_part(tiny_llam
     gen = torch.Generator().manual_seed(6)
     toks = torch.randint(2, 96, (2, 24), generator=gen)
     feats = torch.randn(2, 24, 2 * target.config.hidden_size, generator=gen)
-    batch = H.Batch(toks, torch.tensor([24, 20]), torch.tensor([3, 3]), feats, None,
+    batch = H.AnchorBatch(toks, torch.tensor([24, 20]), torch.tensor([3, 3]), feats, None,
                     torch.tensor([[4, 9, 12], [5, 6, 10]]), torch.ones(2, 3, dtype=torch.bool))
     serial = [p for n, p in model.named_parameters() if not n.startswith("heads")]
 
@@ -213,7 +216,7 @@ def test_head_grad_scales_only_the_heads_gradient_into_the_serial_part(tiny_llam
     _, own = grads(0.0, slice(0, 2))  # the serial depths still train the serial part
     assert max(float(g.abs().max()) for g in own) > 0
     with pytest.raises(SpecdraftError, match="head_grad"):
-        H.TrainConfig(head_grad=1.5)
+        H.HybridTrainConfig(head_grad=1.5)
 
 
 def _loss_setup(tiny_llama, seed: int, vocab: int = 48):
@@ -244,8 +247,8 @@ def test_distill_mixes_the_label_loss_with_the_targets_distribution(tiny_llama):
     anchors = torch.tensor([[4, 9, 12], [5, 6, 10]])
 
     def loss(distill: float, final: torch.Tensor | None) -> float:
-        cfg = H.TrainConfig(serial=2, parallel=2, distill=distill)
-        batch = H.Batch(toks, torch.tensor([24, 20]), torch.tensor([3, 3]), feats, final, anchors,
+        cfg = H.HybridTrainConfig(serial=2, parallel=2, distill=distill)
+        batch = H.AnchorBatch(toks, torch.tensor([24, 20]), torch.tensor([3, 3]), feats, final, anchors,
                         torch.ones(2, 3, dtype=torch.bool))
         with torch.no_grad():
             return float(H.losses(model, batch, t2d, cfg)[0])
@@ -257,7 +260,7 @@ def test_distill_mixes_the_label_loss_with_the_targets_distribution(tiny_llama):
     assert abs(full - label) > 1e-2
     torch.testing.assert_close(loss(0.25, soft), 0.75 * label + 0.25 * full, rtol=1e-5, atol=1e-5)
     with pytest.raises(SpecdraftError, match="distill"):
-        H.TrainConfig(distill=-0.1)
+        H.HybridTrainConfig(distill=-0.1)
 
 
 def test_feature_loss_adds_the_depth_weighted_regression_of_the_serial_states(tiny_llama):
@@ -269,12 +272,12 @@ def test_feature_loss_adds_the_depth_weighted_regression_of_the_serial_states(ti
     target, model, gen, t2d, toks, feats = _loss_setup(tiny_llama, 9)
     final = torch.randn(2, 24, target.config.hidden_size, generator=gen)
     # anchors whose depth-1 and depth-2 positions never coincide (so every target can be set below)
-    batch = H.Batch(toks, torch.tensor([24, 20]), torch.tensor([3, 3]), feats, final,
+    batch = H.AnchorBatch(toks, torch.tensor([24, 20]), torch.tensor([3, 3]), feats, final,
                     torch.tensor([[4, 9, 12], [3, 8, 13]]), torch.ones(2, 3, dtype=torch.bool))
 
-    def loss(w: float, b: H.Batch) -> float:
+    def loss(w: float, b: H.AnchorBatch) -> float:
         with torch.no_grad():
-            return float(H.losses(model, b, t2d, H.TrainConfig(serial=2, parallel=2, feature_loss=w))[0])
+            return float(H.losses(model, b, t2d, H.HybridTrainConfig(serial=2, parallel=2, feature_loss=w))[0])
 
     with torch.no_grad():
         states = H.draft_states(model, batch)
@@ -292,7 +295,7 @@ def test_feature_loss_adds_the_depth_weighted_regression_of_the_serial_states(ti
     for d in (1, 2):
         j = (batch.anchors + d).clamp(max=23)
         exact[torch.arange(2)[:, None], j] = states[d - 1]
-    hit = H.Batch(toks, batch.lengths, batch.prompt_len, feats, exact, batch.anchors, batch.anchor_ok)
+    hit = H.AnchorBatch(toks, batch.lengths, batch.prompt_len, feats, exact, batch.anchors, batch.anchor_ok)
     torch.testing.assert_close(loss(1.0, hit), loss(0.0, hit), rtol=1e-5, atol=1e-6)
 
 
@@ -307,13 +310,14 @@ def test_random_drafters_are_lossless_on_real_prompts(tiny_chat_target):
             ids = t.encode_prompt(p)
             ref = generate(t, ids, NoDrafter(), GenerateConfig(max_new_tokens=24)).token_ids
             for budget in (1, 4, 9):
-                d = HybridDrafter(model, HybridDraftConfig(budget=budget, topk=3, beams=2))
+                d = HybridDrafter(model, HybridOptions(topk=3, beams=2))
+                d.default_budget = budget
                 assert generate(t, ids, d, GenerateConfig(max_new_tokens=24)).token_ids == ref, (kind, budget)
 
 
 def _train(target, root, out, kind="gumiho", epochs=2, **kw):
     s, m = CONFIGS[kind]
-    cfg = H.TrainConfig(serial=s, parallel=m, feature_layers=(1, FINAL), draft_vocab=256, epochs=epochs,
+    cfg = H.HybridTrainConfig(serial=s, parallel=m, feature_layers=(1, FINAL), draft_vocab=256, epochs=epochs,
                         anchors=16, batch_tokens=256, lr=3e-3, warmup_steps=2, holdout=0.2, **kw)
     return H.train_hybrid(target, root / "data", root / "feat", out, cfg, quiet=True, log=lambda *a: None)
 
@@ -337,7 +341,7 @@ def test_trained_tiny_drafters_are_lossless_and_accept_drafts(tiny_chat_target, 
                 tpp.append(r.stats.tokens_per_pass)
         assert max(tpp) > 1.0, kind  # drafts learned from the training responses get accepted
     # `specdraft train profile` works for a hybrid checkpoint too, and the budget then follows the curve
-    from specdraft.bench import cost
+    from specdraft.drafters import budget as cost
     from specdraft.train.profile import add_budget_profile
 
     prof = add_budget_profile(t, path, tiny_train_data / "data", budgets=(1, 2, 4))
@@ -349,7 +353,7 @@ def test_trained_tiny_drafters_are_lossless_and_accept_drafts(tiny_chat_target, 
         cost_curve = curve
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(cost, "load_cost_curve", lambda target: cost_curve)
-            assert make_drafter(str(path), t).opts.budget == want
+            assert make_drafter(str(path), t).default_budget == want
 
 
 # ---------------------------------------------------------------------------- checkpoints and training
@@ -360,10 +364,10 @@ def test_corrupt_mismatched_and_missing_checkpoints(tiny_chat_target, tiny_llama
     bad.write_bytes(b"\x00garbage" * 10)
     with pytest.raises(SpecdraftError, match="corrupt|not a specdraft"):
         make_drafter(str(bad), tiny_chat_target)
-    from specdraft.drafters.hybrid import load_model
+    from specdraft.nn.checkpoint import load_draft_model
 
     with pytest.raises(SpecdraftError, match="corrupt"):
-        load_model(tiny_chat_target, bad)
+        load_draft_model(tiny_chat_target, bad, "hybrid")
     good = tmp_path / "g.safetensors"
     _train(tiny_chat_target, tiny_train_data, good, kind="medusa", epochs=1)
     with pytest.raises(SpecdraftError, match="trained for target"):
@@ -376,13 +380,13 @@ def test_corrupt_mismatched_and_missing_checkpoints(tiny_chat_target, tiny_llama
         make_drafter(f"{good}@bf16=2", tiny_chat_target)
     with pytest.raises(SpecdraftError, match="has no option 'tree'"):
         make_drafter(f"{good}@tree=ddtree", tiny_chat_target)
-    if not default_weights_path("gumiho").is_file():
+    if not weights_path("gumiho").is_file():
         with pytest.raises(SpecdraftError, match="specdraft train hybrid --serial 2 --parallel 5"):
             make_drafter("gumiho", tiny_chat_target)
 
 
 def test_training_resumes_to_the_same_weights(tiny_chat_target, tiny_train_data, tmp_path, monkeypatch):
-    from specdraft.checkpoint import load_checkpoint
+    from specdraft.nn.checkpoint import load_checkpoint
 
     ref = tmp_path / "ref.safetensors"
     _train(tiny_chat_target, tiny_train_data, ref, feature_loss=0.1)
@@ -410,7 +414,7 @@ def test_training_resumes_to_the_same_weights(tiny_chat_target, tiny_train_data,
 def test_fine_tuning_from_a_checkpoint_on_two_data_folders(tiny_chat_target, tiny_train_data, tmp_path):
     """--init starts from a trained drafter (its weights and draft vocabulary), several --data folders
     train together, each keeps its own held-out split, and a drafter of another shape is refused."""
-    from specdraft.checkpoint import load_checkpoint
+    from specdraft.nn.checkpoint import load_checkpoint
     from specdraft.train import data as D
     from specdraft.train.profile import held_out_sequences
     from specdraft.train.prompts import Prompt
@@ -426,7 +430,7 @@ def test_fine_tuning_from_a_checkpoint_on_two_data_folders(tiny_chat_target, tin
     s, m = CONFIGS["gumiho"]
 
     def tune(out, lr, init=base, serial=s, parallel=m, seed=0, folders=(tiny_train_data, more)):
-        cfg = H.TrainConfig(serial=serial, parallel=parallel, feature_layers=(1, FINAL), draft_vocab=256, epochs=1,
+        cfg = H.HybridTrainConfig(serial=serial, parallel=parallel, feature_layers=(1, FINAL), draft_vocab=256, epochs=1,
                             anchors=16, batch_tokens=256, lr=lr, warmup_steps=2, holdout=0.2, init=str(init), seed=seed)
         return H.train_hybrid(t, [f / "data" for f in folders], [f / "feat" for f in folders],
                               out, cfg, quiet=True, log=lambda *a: None)
@@ -455,8 +459,8 @@ def test_fine_tuning_from_a_checkpoint_on_two_data_folders(tiny_chat_target, tin
                                        (1, FINAL), need_final=False)
     assert groups == [n1, 5] and len(corpus.tokens) == n1 + 5
     tr, va, *_ = H.split_and_vocabulary(corpus, 0, 0.2, 256, t, groups=groups)
-    tr1, va1 = H.held_out_split(n1, 0, 0.2)
-    tr2, va2 = H.held_out_split(5, 0, 0.2)
+    tr1, va1 = C.held_out_split(n1, 0, 0.2)
+    tr2, va2 = C.held_out_split(5, 0, 0.2)
     assert va == va1 + [n1 + i for i in va2] and tr == tr1 + [n1 + i for i in tr2]
     assert used["groups"] == [n1, 5] and used["val"] == va  # the trainer split each folder on its own
     moved = tmp_path / "moved.safetensors"
@@ -477,12 +481,12 @@ def test_fine_tuning_from_a_checkpoint_on_two_data_folders(tiny_chat_target, tin
         tune(base, lr=0.0)
     with pytest.raises(SpecdraftError, match="one feature folder per data folder"):
         H.train_hybrid(t, [tiny_train_data / "data", more / "data"], [tiny_train_data / "feat"], tmp_path / "x.safetensors",
-                       H.TrainConfig(serial=s, parallel=m, feature_layers=(1, FINAL)), quiet=True, log=lambda *a: None)
+                       H.HybridTrainConfig(serial=s, parallel=m, feature_layers=(1, FINAL)), quiet=True, log=lambda *a: None)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_shipped_drafters_are_lossless_on_real_prompts(name, request):
-    if not default_weights_path(name).is_file():
+    if not weights_path(name).is_file():
         pytest.skip(f"{name} weights not trained yet")
     target = request.getfixturevalue("default_target")
     for p in PROMPTS:

@@ -88,7 +88,7 @@ def test_packed_weights_match_the_generic_path(tiny_llama):
 
 
 def test_best_budget_uses_the_cost_envelope():
-    from specdraft.bench.cost import best_budget
+    from specdraft.drafters.budget import best_budget
 
     curve = {"n": [1, 2, 3, 4, 5], "ratio": [1.0, 1.1, 1.6, 1.2, 1.3]}
     # budget b costs the envelope at b + 1: 1.1, 1.6, 1.6, 1.6

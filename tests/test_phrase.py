@@ -8,7 +8,10 @@ import torch
 
 from specdraft.drafters import make_drafter
 from specdraft.drafters.base import NoDrafter
-from specdraft.drafters.phrase import PhraseConfig, PhraseDrafter, default_weights_path
+from specdraft.drafters.phrase import PhraseDrafter
+from specdraft.drafters.registry import weights_path
+from specdraft.nn import phrase as NP
+from specdraft.nn.checkpoint import load_draft_model
 from specdraft.errors import SpecdraftError
 from specdraft.generate import GenerateConfig, generate
 from specdraft.train import phrase as P
@@ -61,7 +64,7 @@ def test_mined_entries_expand_and_decode_back(vocab, default_target):
 
 
 def test_longest_match_labels_on_hand_written_cases():
-    pv = P.PhraseVocab(texts=["a", "ab", "abc", "d"], expansions=[[1], [1, 2], [1, 2, 3], [4]], counts=[1] * 4)
+    pv = NP.PhraseVocab(texts=["a", "ab", "abc", "d"], expansions=[[1], [1, 2], [1, 2, 3], [4]], counts=[1] * 4)
     trie = pv.trie()
     assert P.longest_entry(trie, [1, 2, 3, 4], 0) == 2
     assert P.longest_entry(trie, [1, 2, 9], 0) == 1
@@ -80,8 +83,8 @@ def test_longest_match_labels_on_hand_written_cases():
 
 
 def test_head_output_rows_are_257_parameters():
-    a = P.PhraseHead(P.PhraseHeadConfig(hidden_size=64, vocab_size=100))
-    b = P.PhraseHead(P.PhraseHeadConfig(hidden_size=64, vocab_size=300))
+    a = NP.PhraseHead(NP.PhraseHeadConfig(hidden_size=64, vocab_size=100))
+    b = NP.PhraseHead(NP.PhraseHeadConfig(hidden_size=64, vocab_size=300))
     assert b.n_params() - a.n_params() == 200 * 257
 
 
@@ -95,17 +98,17 @@ def tiny_run(tiny_chat_target, tmp_path_factory):
     prompts = [Prompt(id=i, source="gsm", text=f"{t} (variant {i})") for i, t in enumerate(TEXT * 2)]
     cfg = D.BuildConfig(n_prompts=len(prompts), max_new_tokens=24, batch_size=5, shard_size=4, sources=("gsm",))
     D.build_data(tiny_chat_target, root / "data", cfg, quiet=True, prompts=prompts)
-    D.cache_features(tiny_chat_target, root / "data", root / "feat", (P.FEATURE_LAYER,), quiet=True)
+    D.cache_features(tiny_chat_target, root / "data", root / "feat", (NP.FEATURE_LAYER,), quiet=True)
     return root
 
 
 def _train(target, root, out, **kw):
-    cfg = P.TrainConfig(vocab_size=64, epochs=2, batch_size=16, holdout=0.2, **kw)
+    cfg = P.PhraseTrainConfig(vocab_size=64, epochs=2, batch_size=16, holdout=0.2, **kw)
     return P.train_phrase(target, root / "data", root / "feat", out, cfg, quiet=True, log=lambda *a: None)
 
 
 def test_training_resumes_to_the_same_weights(tiny_chat_target, tiny_run, tmp_path, monkeypatch):
-    from specdraft.checkpoint import load_checkpoint
+    from specdraft.nn.checkpoint import load_checkpoint
 
     ref = tmp_path / "ref.safetensors"
     _train(tiny_chat_target, tiny_run, ref)
@@ -144,14 +147,14 @@ def test_trained_tiny_head_is_lossless(tiny_chat_target, tiny_run, tmp_path):
 def test_shipped_head_is_lossless_on_real_prompts(default_target):
     prompts = ["What is 17 * 23? Think step by step.", "Write a Python function that reverses a string.",
                "Tell me about the United States of America."]
-    assert default_weights_path().is_file()
+    assert weights_path("phrase").is_file()
     for p in prompts:
         ids = default_target.encode_prompt(p)
         ref = generate(default_target, ids, NoDrafter(), GenerateConfig(max_new_tokens=48)).token_ids
-        for cfg in (PhraseConfig(), PhraseConfig(with_ngram=False, budget=6), PhraseConfig(budget=1, ngram_first=True)):
-            d = PhraseDrafter.load(default_target, config=cfg)
+        for spec, budget in (("phrase", None), ("phrase@ngram=0", 6), ("phrase@ngram_first=1", 1)):
+            d = make_drafter(spec, default_target, budget=budget)
             r = generate(default_target, ids, d, GenerateConfig(max_new_tokens=48))
-            assert r.token_ids == ref, (p, cfg)
+            assert r.token_ids == ref, (p, spec)
             assert r.stats.tokens_per_pass >= 1.0
 
 
@@ -161,7 +164,7 @@ def test_corrupt_and_mismatched_checkpoints(default_target, tiny_chat_target, tm
     with pytest.raises(SpecdraftError, match="corrupt|not a specdraft"):
         make_drafter(str(bad), default_target)
     with pytest.raises(SpecdraftError, match="corrupt"):
-        PhraseDrafter.load(default_target, bad)
+        load_draft_model(default_target, bad, "phrase")
     with pytest.raises(SpecdraftError, match="trained for target"):
         make_drafter("phrase", tiny_chat_target)
     with pytest.raises(SpecdraftError, match="not found"):
@@ -169,14 +172,14 @@ def test_corrupt_and_mismatched_checkpoints(default_target, tiny_chat_target, tm
 
 
 def test_simulated_tokens_per_pass_matches_a_real_run(default_target):
-    from specdraft.bench.simulate import sequence_hidden, simulate
+    from specdraft.replay import sequence_hidden, simulate
     from specdraft.drafters.ngram import NgramDrafter
 
     ids = default_target.encode_prompt("List the first ten prime numbers and explain why each is prime.")
     ref = generate(default_target, ids, NoDrafter(), GenerateConfig(max_new_tokens=40))
     out = ref.token_ids
-    hidden = sequence_hidden(default_target, ids + out, (P.FEATURE_LAYER,))
-    for d in (NgramDrafter(), PhraseDrafter.load(default_target)):
+    hidden = sequence_hidden(default_target, ids + out, (NP.FEATURE_LAYER,))
+    for d in (NgramDrafter(), make_drafter("phrase", default_target)):
         real = generate(default_target, ids, d, GenerateConfig(max_new_tokens=40, budget=3))
         sim = simulate(d, ids, out, hidden, 3)
         assert real.token_ids == out

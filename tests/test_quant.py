@@ -133,7 +133,7 @@ def test_fused_block_rows_do_not_depend_on_the_rest_of_the_pass(default_target):
 def test_fused_blocks_in_left_padded_batches(default_target, monkeypatch):
     """Batched decoding (``batch.generate_batch``: rows of several sequences, a padding mask) takes
     the fused block too and gives the Python blocks' tokens."""
-    from specdraft.batch import generate_batch
+    from specdraft.model.batched_decode import generate_batch
     from specdraft.model import llama
 
     t = default_target

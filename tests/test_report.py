@@ -120,7 +120,7 @@ def test_report_of_the_committed_bench_run(tmp_path):
 
 
 def test_predicted_speedup_series_and_formula():
-    from specdraft.bench.simulate import predicted_speedup
+    from specdraft.replay import predicted_speedup
 
     curve = {"n": [1, 2, 3, 4], "ms": [40.0, 44.0, 42.0, 60.0], "ratio": [1.0, 1.1, 1.05, 1.5]}
     # 2 tokens per pass over a 3-token tree: the pass counts as the dearest smaller tree (1.1), + 4 ms drafting

@@ -23,7 +23,8 @@ from specdraft.drafters.base import NoDrafter  # noqa: E402
 from specdraft.drafters.ngram import NgramDrafter  # noqa: E402
 from specdraft.generate import GenerateConfig, generate  # noqa: E402
 from specdraft.server.app import ServerThread, create_app  # noqa: E402
-from specdraft.server.engine import Engine, encode_messages  # noqa: E402
+from specdraft.engine import Engine  # noqa: E402
+from specdraft.server.queue import RequestQueue  # noqa: E402
 from specdraft.target import Target  # noqa: E402
 from specdraft.verify import Sampling  # noqa: E402
 
@@ -45,7 +46,7 @@ def offline(target: Target, ids: list[int], max_tokens: int, drafter=None, **kw)
 
 @pytest.fixture(scope="module")
 def server(tiny_chat_target):
-    engine = Engine(twin(tiny_chat_target), make_drafter("ngram"), model_id=MODEL, max_queue=4, default_max_tokens=12)
+    engine = RequestQueue(Engine(twin(tiny_chat_target), make_drafter("ngram")), model_id=MODEL, max_queue=4, default_max_tokens=12)
     with ServerThread(create_app(engine)) as srv:
         srv.engine = engine
         yield srv
@@ -63,7 +64,7 @@ class SlowDrafter(NoDrafter):
 
 @pytest.fixture(scope="module")
 def slow_server(tiny_chat_target):
-    engine = Engine(twin(tiny_chat_target), SlowDrafter(), model_id="slow", max_queue=1, default_max_tokens=200)
+    engine = RequestQueue(Engine(twin(tiny_chat_target), SlowDrafter()), model_id="slow", max_queue=1, default_max_tokens=200)
     with ServerThread(create_app(engine)) as srv:
         srv.engine = engine
         yield srv
@@ -115,7 +116,7 @@ def test_models_and_health(server):
 
 def test_chat_equals_offline_greedy(server, tiny_chat_target):
     c = client(server)
-    ids = encode_messages(tiny_chat_target, CONVERSATION)
+    ids = tiny_chat_target.encode_messages(CONVERSATION)
     ref = offline(tiny_chat_target, ids, 20)
     r = c.chat.completions.create(model=MODEL, messages=CONVERSATION, max_tokens=20, temperature=0)
     assert r.choices[0].message.content == ref.text
@@ -136,7 +137,7 @@ def test_chat_equals_offline_greedy(server, tiny_chat_target):
 
 def test_one_user_message_uses_the_same_ids_as_generate(tiny_chat_target):
     msg = "Write a haiku about the sea."
-    assert encode_messages(tiny_chat_target, [{"role": "user", "content": msg}]) == tiny_chat_target.encode_prompt(msg)
+    assert tiny_chat_target.encode_messages([{"role": "user", "content": msg}]) == tiny_chat_target.encode_prompt(msg)
 
 
 def test_completion_equals_offline_greedy(server, tiny_chat_target):
@@ -156,7 +157,7 @@ def test_completion_equals_offline_greedy(server, tiny_chat_target):
 def test_stop_and_defaults(server, tiny_chat_target):
     c = client(server)
     msgs = [{"role": "user", "content": "Tell me a story."}]
-    ids = encode_messages(tiny_chat_target, msgs)
+    ids = tiny_chat_target.encode_messages(msgs)
     full = offline(tiny_chat_target, ids, 12)  # the server's default max_tokens is 12
     r = c.chat.completions.create(model=MODEL, messages=msgs)
     assert r.choices[0].message.content == full.text and r.choices[0].finish_reason == "length"
@@ -170,7 +171,7 @@ def test_stop_and_defaults(server, tiny_chat_target):
 def test_seeded_sampling_equals_offline(server, tiny_chat_target):
     c = client(server)
     msgs = [{"role": "user", "content": "Say something."}]
-    ids = encode_messages(tiny_chat_target, msgs)
+    ids = tiny_chat_target.encode_messages(msgs)
     ref = offline(tiny_chat_target, ids, 16, drafter=NgramDrafter(), sampling=Sampling(temperature=0.9, top_p=0.95), seed=7)
     got = [c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0.9, top_p=0.95,
                                      seed=7).choices[0].message.content for _ in range(2)]
@@ -178,9 +179,9 @@ def test_seeded_sampling_equals_offline(server, tiny_chat_target):
 
 
 def test_default_target_chat_and_stream_equal_offline_greedy(default_target):
-    engine = Engine(twin(default_target), make_drafter("ngram", default_target), max_queue=2)
+    engine = RequestQueue(Engine(twin(default_target), make_drafter("ngram", default_target)), max_queue=2)
     msgs = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
-    ids = encode_messages(default_target, msgs)
+    ids = default_target.encode_messages(msgs)
     ref = offline(default_target, ids, 24)
     with ServerThread(create_app(engine)) as srv:
         c = client(srv)
@@ -392,7 +393,7 @@ def test_full_queue_is_refused_at_once(slow_server):
 
 def test_concurrent_clients_all_answered(server, tiny_chat_target):
     prompts = [f"Question number {i}?" for i in range(4)]
-    refs = {p: offline(tiny_chat_target, encode_messages(tiny_chat_target, [{"role": "user", "content": p}]), 10).text
+    refs = {p: offline(tiny_chat_target, tiny_chat_target.encode_messages([{"role": "user", "content": p}]), 10).text
             for p in prompts}
     got: dict[str, str] = {}
 

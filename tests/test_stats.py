@@ -79,7 +79,7 @@ def test_report_compares_drafters_paired(tmp_path):
 
 
 def test_replay_stores_per_prompt_counts_that_pool_to_its_tokens_per_pass(tiny_llama):
-    from specdraft.bench.simulate import simulate_dataset
+    from specdraft.replay import simulate_dataset
     from specdraft.drafters.ngram import NgramDrafter
     from specdraft.drafters.base import NoDrafter
 

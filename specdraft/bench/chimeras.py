@@ -8,7 +8,7 @@ drafter here; the definitions (docs/chimeras.md):
 
 * **Contexts.**  Per prompt, ``contexts_per_prompt`` root slots n spread evenly along the
   target's greedy output.  The drafter is driven along that output with
-  ``specdraft.bench.simulate`` (reset on the prompt, committed with the target's features of
+  ``specdraft.replay`` (reset on the prompt, committed with the target's features of
   every committed token, as greedy decoding commits them), jumping from one analysed slot to the
   next; there its ``marginals(top_k)`` are recorded.  A block drafter's state depends only on the
   committed tokens and their features, so it is the state a real run has at slot n.
@@ -34,8 +34,13 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from tqdm import tqdm
+
+from specdraft.datasets import load_prompts
+from specdraft.drafters import make_drafter
 from specdraft.errors import SpecdraftError
-from specdraft.model.llama import ForwardOutput, causal_mask
+from specdraft.model.llama import causal_mask
+from specdraft.replay import greedy_outputs, simulate
 from specdraft.search import Ranked, ddtree, mixture_marginals, mixture_tree
 from specdraft.tree import Tree
 from specdraft.verify import Sampling, target_probs
@@ -196,8 +201,6 @@ def context_steps(prompt_len: int, output_len: int, count: int) -> list[int]:
 def analyze_prompt(target, drafter, prompt: list[int], output: list[int], cfg: ChimeraConfig,
                    generator: torch.Generator) -> list[dict]:
     """Contexts of one prompt: per context the futures and the trees' per-class tallies."""
-    from specdraft.bench.simulate import simulate
-
     full = list(prompt) + list(output)
     steps = context_steps(len(prompt), len(output), cfg.contexts_per_prompt)
     if not steps:
@@ -239,8 +242,6 @@ def chimera_stats(target, drafter, prompts: list[list[int]], outputs: list[list[
                   quiet: bool = True, desc: str = "chimeras") -> dict:
     """Pooled chimera statistics of ``drafter`` (any object with ``marginals(k)`` and the drafter
     interface) over the greedy ``outputs`` of ``prompts``."""
-    from tqdm import tqdm
-
     require_marginals(drafter, getattr(drafter, "name", "?"))
     gen = torch.Generator().manual_seed(cfg.seed)
     tallies: dict[str, Tally] = {}
@@ -261,10 +262,6 @@ def chimera_stats(target, drafter, prompts: list[list[int]], outputs: list[list[
 def chimera_report(target, drafter_spec: str, datasets: list[str], n: int, max_new_tokens: int, cfg: ChimeraConfig,
                    out_dir: str | Path, quiet: bool = False, cache_dir: str | Path | None = None) -> dict:
     """``specdraft analyze chimeras``: per dataset statistics, written to DIR/chimeras.json."""
-    from specdraft.bench.datasets import load_prompts
-    from specdraft.bench.simulate import greedy_outputs
-    from specdraft.drafters import make_drafter
-
     if not datasets:
         raise SpecdraftError("give at least one --dataset")
     if n < 1 or max_new_tokens < 1:

@@ -13,13 +13,15 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from specdraft.datasets import load_prompts
+from specdraft.drafters import make_drafter
 from specdraft.errors import SpecdraftError
+from specdraft.replay import greedy_outputs
+from specdraft.train.data import check_data_target, load_sequences, read_manifest
 
 
 def training_response_tokens(data_dirs: list[str | Path]) -> Counter:
     """Token id -> count over the responses of every sequence in ``data_dirs``."""
-    from specdraft.train.data import load_sequences
-
     counts: Counter = Counter()
     for d in data_dirs:
         for s in load_sequences(d):
@@ -51,11 +53,6 @@ def coverage_stats(outputs: list[list[int]], seen: Counter, vocabs: dict[str, se
 def coverage_report(target, data_dirs: list[str | Path], drafters: list[str], datasets: list[str], n: int,
                     max_new_tokens: int, out_dir: str | Path, quiet: bool = False) -> dict:
     """Writes DIR/coverage.json; greedy outputs are cached in DIR/greedy_outputs (shared with `analyze acceptance`)."""
-    from specdraft.bench.datasets import load_prompts
-    from specdraft.bench.simulate import greedy_outputs
-    from specdraft.drafters import make_drafter
-    from specdraft.train.data import check_data_target, read_manifest
-
     if not data_dirs:
         raise SpecdraftError("give at least one --data folder")
     for d in data_dirs:

@@ -30,29 +30,25 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import matplotlib
+from matplotlib.ticker import FixedLocator, NullFormatter, ScalarFormatter
+
+from specdraft.bench.runner import HF_METHODS, plot_results, row_committed
+from specdraft.bench.stats import paired_comparisons, verdict
+from specdraft.drafters.budget import budget_from_curve
 from specdraft.errors import SpecdraftError
 
-HF_METHODS = ("hf_generate", "hf_prompt_lookup")
-
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+matplotlib.use("Agg")  # files only, never a window
+import matplotlib.pyplot as plt  # noqa: E402 - after the backend is chosen
 
 
 def _save(fig, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    _plt().close(fig)
+    plt.close(fig)
 
 
 def _log2_axis(ax, values) -> None:
-    from matplotlib.ticker import FixedLocator, NullFormatter, ScalarFormatter
-
     ax.set_xscale("log", base=2)
     hi = max(values) if values else 1
     ax.xaxis.set_major_locator(FixedLocator([2**i for i in range(int(hi).bit_length() + 1) if 2**i <= 2 * hi]))
@@ -98,7 +94,6 @@ def plot_tokens_per_pass(results: dict, path: Path) -> str | None:
     methods = drafter_methods(results)
     if not methods:
         return None
-    plt = _plt()
     datasets = list(results["datasets"])
     fig, axes = plt.subplots(1, len(methods), figsize=(4.6 * len(methods), 3.6), squeeze=False)
     kinds = set()
@@ -140,8 +135,6 @@ def plot_tokens_per_pass(results: dict, path: Path) -> str | None:
 def per_prompt_counts(rows: list[dict], method: str) -> list[tuple[int, int]] | None:
     """Per prompt (committed tokens, passes) of ``method``, ordered by prompt; None when the rows
     carry no pass counts."""
-    from specdraft.bench.runner import row_committed
-
     got = sorted((r["prompt"], r) for r in rows if r.get("method") == method)
     if not got or any(not r.get("passes") or r.get("tokens_per_pass") is None for _, r in got):
         return None
@@ -151,8 +144,6 @@ def per_prompt_counts(rows: list[dict], method: str) -> list[tuple[int, int]] | 
 def paired_section(results: dict) -> list[str]:
     """Markdown table: every pair of drafters per dataset, tokens per pass compared over the same
     prompts with a bootstrap interval (``specdraft.bench.stats``); empty with fewer than two."""
-    from specdraft.bench.stats import paired_comparisons, verdict
-
     methods = drafter_methods(results)
     if len(methods) < 2:
         return []
@@ -182,9 +173,6 @@ def paired_section(results: dict) -> list[str]:
 # ---------------------------------------------------------------------- node budget
 def plot_budget_curve(curve: dict, results: dict | None, path: Path) -> int:
     """Cost of an N-token pass relative to one token; returns the budget picked from the curve."""
-    from specdraft.bench.cost import budget_from_curve
-
-    plt = _plt()
     budget = budget_from_curve(curve)
     fig, ax = plt.subplots(figsize=(6, 3.8))
     ax.plot(curve["n"], curve["ratio"], marker=".", label="pass cost / one-token pass")
@@ -267,7 +255,6 @@ def plot_budget_sweep(series: dict[str, dict], path: Path) -> bool:
     metrics = [m for m in ("tokens_per_pass", "speedup", "tok_s") if any(s.get(m) for s in series.values())]
     if not metrics:
         return False
-    plt = _plt()
     fig, axes = plt.subplots(1, len(metrics), figsize=(6.5 * len(metrics), 4.8), squeeze=False)
     labels = {"tokens_per_pass": "tokens per pass", "speedup": "speedup vs greedy (offline replay: predicted)", "tok_s": "tok/s"}
     colors = {d: f"C{i % 10}" for i, d in enumerate(series)}  # one colour per drafter, one line style per dataset
@@ -336,9 +323,6 @@ def _batch_section(bc: dict) -> list[str]:
 
 def write_report(out_dir: str | Path) -> Path:
     """Write ``out_dir/report.md`` (and its PNGs) from the JSON files there; returns its path."""
-    from specdraft.bench.runner import plot_results
-    from specdraft.cli import format_table
-
     out = Path(out_dir)
     if not out.is_dir():
         raise SpecdraftError(f"no folder {out} (run `specdraft bench --out {out}` first)")
@@ -416,3 +400,14 @@ def write_report(out_dir: str | Path) -> Path:
     path = out / "report.md"
     path.write_text("\n".join(md))
     return path
+
+
+def format_table(res: dict) -> str:
+    lines = ["| dataset | method | tok/s | vs hf_generate | vs greedy | tokens/pass | exact_match |",
+             "|---|---|---|---|---|---|---|"]
+    for ds, d in res["datasets"].items():
+        for m, v in d["methods"].items():
+            tpp = "-" if v["tokens_per_pass"] is None else f"{v['tokens_per_pass']:.2f}"
+            em = f"{v['exact_match']:.2f}" + ("" if v["exact_match"] == 1 or not v["divergences_all_ties"] else " (ties)")
+            lines.append(f"| {ds} | {m} | {v['tok_s']:.1f} | {v['speedup_vs_hf']:.2f}x | {v['speedup_vs_greedy']:.2f}x | {tpp} | {em} |")
+    return "\n".join(lines)

@@ -15,13 +15,19 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specdraft.bench.datasets import load_prompts
+import matplotlib
+
 from specdraft.bench.hf import build_hf_model, hf_generate
+from specdraft.datasets import load_prompts
 from specdraft.drafters import make_drafter
+from specdraft.engine import Engine
 from specdraft.errors import SpecdraftError
-from specdraft.generate import GenerateConfig, generate
+from specdraft.generate import GenerateConfig
 from specdraft.model.load import load_weights
 from specdraft.target import Target
+
+matplotlib.use("Agg")  # files only, never a window
+import matplotlib.pyplot as plt  # noqa: E402 - after the backend is chosen
 
 HF_METHODS = ("hf_generate", "hf_prompt_lookup")
 TIE_GAP = 1e-3  # top-2 logit gap (fp32) below which a divergence counts as a tie
@@ -58,12 +64,12 @@ def run_bench(
     if n < 1:
         raise SpecdraftError(f"--n must be >= 1 (got {n})")
     prompts_by_ds = {ds: load_prompts(ds, n) for ds in datasets}  # fail fast on a bad dataset
-    weights = load_weights(target_spec)
+    weights = load_weights(target_spec)  # loaded once: our target and the HF reference share them
     target = Target.from_weights(weights, device=device)
     hf = build_hf_model(weights, device=device)
     ours = ["greedy"] + [d for d in dict.fromkeys(drafters) if d not in ("none", "greedy")]
-    # one instance per method (reset before every generation); an unknown drafter fails before any work
-    drafter_of = {m: make_drafter("none" if m == "greedy" else m, target) for m in ours}
+    # one engine per method (reset before every generation); an unknown drafter fails before any work
+    engine_of = {m: Engine(target, make_drafter("none" if m == "greedy" else m, target)) for m in ours}
     methods = list(HF_METHODS) + ours
     eos = target.eos_ids
     eos0 = min(eos)
@@ -74,7 +80,7 @@ def run_bench(
             toks, wall = hf_generate(hf, ids, max_new_tokens, eos, lookup=look)
             return {"tokens": toks, "wall_s": wall, "tokens_per_pass": None}
         gcfg = GenerateConfig(max_new_tokens=max_new_tokens, budget=budget)
-        r = generate(target, ids, drafter_of[method], gcfg)
+        r = engine_of[method].generate(ids, gcfg)
         return {"tokens": r.token_ids, "wall_s": r.stats.wall_s, "tokens_per_pass": r.stats.tokens_per_pass,
                 "passes": r.stats.passes, "committed": r.stats.committed, "accept_hist": r.stats.accept_hist}
 
@@ -85,8 +91,8 @@ def run_bench(
     results: dict = {"config": {"drafters": drafters, "n": n, "max_new_tokens": max_new_tokens, "target": target.name,
                                 "target_hash": target.weight_hash, "device": device, "budget": budget,
                                 "threads": torch.get_num_threads(), "tie_gap": TIE_GAP,
-                                "budgets": {m: (budget if budget is not None else d.default_budget)
-                                            for m, d in drafter_of.items()},
+                                "budgets": {m: (budget if budget is not None else e.drafter.default_budget)
+                                            for m, e in engine_of.items()},
                                 "date": time.strftime("%Y-%m-%d %H:%M:%S")},
                      "datasets": {}}
     for ds, prompts in prompts_by_ds.items():
@@ -145,11 +151,6 @@ def summarize(rows: list[dict], methods: list[str]) -> dict:
 
 
 def plot_results(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     datasets = list(results["datasets"])
     methods = list(next(iter(results["datasets"].values()))["methods"]) if datasets else []
     fig, ax = plt.subplots(figsize=(3.6 + max(1.6, 0.3 * len(methods)) * len(datasets), 4))
@@ -172,11 +173,6 @@ def plot_results(results: dict, path: Path) -> None:
 
 
 def plot_cost_curve(curve: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     fig, ax = plt.subplots(figsize=(5, 3.5))
     ax.plot(curve["n"], curve["ms"], marker=".")
     ax.set_xlabel("tokens in one target pass (N)")

@@ -1,10 +1,18 @@
-"""The drafter interface every drafter implements, and the empty drafter (plain decoding)."""
+"""The drafter interface every drafter implements, the empty drafter (plain decoding), and what
+the drafters around a trained network share (their options, state and the way they read the
+target's features)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+from torch import Tensor
+
+from specdraft.errors import SpecdraftError
 from specdraft.model.llama import ForwardOutput
+from specdraft.nn.layers import DraftCache
 from specdraft.tree import Tree
 from specdraft.verify import Accepted
 
@@ -42,3 +50,43 @@ class NoDrafter:
 
     def commit(self, accepted: Accepted, out: ForwardOutput) -> None:
         self.last = accepted.bonus
+
+
+@dataclass
+class TrainedOptions:
+    """The ``NAME@key=value`` options every trained network drafter (hybrid, block) takes."""
+
+    bf16: int = -1  # 1 = draft in bfloat16 with weights packed once, 0 = the target's dtype, -1 = 1 where the CPU has native bfloat16
+    ngram: int = 0  # tree nodes given to prompt-lookup candidates (0 = none; ``drafters.combine``)
+
+    def __post_init__(self) -> None:
+        if self.bf16 not in (-1, 0, 1):
+            raise SpecdraftError(f"option bf16 must be 0 or 1 (got {self.bf16})")
+        if self.ngram < 0:
+            raise SpecdraftError(f"option ngram must be >= 0 (tree nodes given to prompt lookup; got {self.ngram})")
+
+
+class TrainedDrafter:
+    """The state of a drafter around a trained network (``nn.layers.DraftModel``): the network, its
+    options, the root and its own K/V cache of the committed positions."""
+
+    def __init__(self, model, options, name: str, manifest: dict | None, cache_layers: int) -> None:
+        self.model = model.eval()
+        self.cfg = model.cfg
+        self.opts = options
+        self.name = name
+        self.hidden_layers: tuple[int, ...] = tuple(self.cfg.feature_layers)  # target features read
+        self.manifest = manifest or {}
+        self.cache_layers = cache_layers  # layers with K/V of committed positions
+        self.start(-1)
+
+    def start(self, root: int) -> None:
+        """A new sequence: ``root`` is the first tree's root; nothing committed in the cache yet."""
+        self.root = root
+        self.n = 0  # committed positions in the cache (= position of the root)
+        self.cache = DraftCache(self.cache_layers, self.cfg.num_kv_heads, self.cfg.head_dim)
+
+    def target_features(self, out: ForwardOutput, rows) -> Tensor:
+        """The features this drafter reads, of the given rows of a target pass: [..rows, n_layers * H]
+        in the network's dtype (rows: an index, a list or a slice of the pass's nodes)."""
+        return torch.cat([out.hidden[layer][0, rows] for layer in self.cfg.feature_layers], -1).to(self.model.head_w.dtype)

@@ -1,26 +1,21 @@
 """Hybrid drafter (Gumiho, ICML 2025): serial Transformer steps for the first draft tokens,
-parallel MLP heads for the later ones.  Medusa (S = 0) and EAGLE-style (M = 0) are
-configurations of the same module.
+parallel MLP heads for the later ones; Medusa (S = 0) and EAGLE-style (M = 0) are configurations
+of the same network (``specdraft.nn.hybrid``).
 
 Notation: committed tokens x_0 .. x_n, where the root x_n is committed but not yet run through
 the target; f_i is the target's feature at position i (it predicted x_{i+1}).
 
-Serial part (S steps, EAGLE-style).  A few target-shaped decoder layers over
-u_i = fc([e(x_{i+1}) ; g(f_i)]), g = identity for one feature layer or a linear fusion of several
-(EAGLE-3).  The drafter keeps its own K/V cache of the committed positions, computed from the
+Serial part.  The drafter keeps its own K/V cache of the committed positions, computed from the
 target's true features of accepted nodes only.  Step 1 is position n-1 (input f_{n-1}, x_n): its
 output h^1 scores depth 1 through the frozen target LM head.  Step s >= 2 runs at position
 n+s-2 on the kept beams, input [e(x^_{s-1}) ; h^{s-1}] (the drafter's own state replaces the
 target's feature), attending to the cache plus its own path's earlier steps.
 
-Parallel part (M heads, Medusa/Gumiho-style).  Head j reads [h^1 .. h^S ; e(x^_S)] of a depth-S
-path (for S = 0: [g(f_{n-1}) ; e(x_n)]) and scores depth S+1+j in one step: SiLU(Linear) then
-zero-initialised residual blocks SiLU(Linear), then the frozen LM head.  (Gumiho's heads read
-the serial states only; the path's last token is added here so siblings get their own heads.)
+Parallel part.  Head j reads [h^1 .. h^S ; e(x^_S)] of a depth-S path (for S = 0:
+[g(f_{n-1}) ; e(x_n)]) and scores depth S+1+j in one step.  (Gumiho's heads read the serial states
+only; the path's last token is added here so siblings get their own heads.)
 
-Every LM-head product runs over a draft vocabulary: the rows of the target's frozen LM head for
-the tokens most frequent in the training responses (EAGLE-3's reduced draft vocabulary), so a
-step costs a fraction of a full-vocabulary head on a CPU.  Only their ids are stored.
+Every LM-head product runs over the draft vocabulary's rows of the target's frozen LM head.
 
 Tree: beam expansion per depth (top-k children per expanded node, at most ``beams`` nodes kept
 per depth), then the global top-(budget) nodes by cumulative log-probability, prefix-closed,
@@ -30,207 +25,19 @@ plus the root (``build_beam_tree``).  Training: ``specdraft.train.hybrid``.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field, fields
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
+from specdraft.drafters.base import TrainedDrafter, TrainedOptions
 from specdraft.errors import SpecdraftError
-from specdraft.model.llama import ForwardOutput, RMSNorm
-from specdraft.model.packed import native_bf16, prepack_model
+from specdraft.model.llama import ForwardOutput
+from specdraft.model.packed import native_bf16
+from specdraft.nn.checkpoint import DraftCheckpoint
+from specdraft.nn.hybrid import HybridModel
 from specdraft.tree import Tree
 from specdraft.verify import Accepted
-
-NAMES = ("gumiho", "medusa", "eagle")  # registered names, each with its own default weights file
-WEIGHTS = "{name}_smollm2_135m.safetensors"
-TRAIN_ARGS = {"gumiho": "--serial 2 --parallel 5 --serial-layers 2 --head-blocks 5 --head-grad 0 --distill 1.0 --feature-loss 1.0 --layers 3,15,27,-1",
-              "medusa": "--serial 0 --parallel 7 --distill 1.0 --layers 3,15,27,-1",
-              "eagle": "--serial 7 --parallel 0 --distill 1.0 --layers 3,15,27,-1"}
-
-
-def default_weights_path(name: str) -> Path:
-    return Path(__file__).resolve().parents[1] / "weights" / WEIGHTS.format(name=name)
-
-
-# ---------------------------------------------------------------------------- module
-
-
-@dataclass
-class HybridConfig:
-    hidden_size: int  # target width H
-    vocab_size: int  # target vocabulary
-    num_heads: int  # query heads of a serial layer (target-shaped)
-    num_kv_heads: int  # key/value heads of a serial layer
-    head_dim: int
-    intermediate_size: int  # SwiGLU width of a serial layer
-    rms_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    serial: int = 2  # S: draft positions produced by the serial (EAGLE-style) part
-    parallel: int = 5  # M: MLP heads, head j drafts position S+1+j
-    serial_layers: int = 1  # decoder layers of the serial part
-    head_blocks: int = 1  # zero-initialised residual blocks per MLP head (Gumiho: 5)
-    feature_layers: tuple[int, ...] = (-1,)  # target features read (-1 = final normed state)
-    draft_vocab: int = 8192  # LM-head rows drafted from (the most frequent tokens; 0 = all)
-
-    def __post_init__(self) -> None:
-        self.feature_layers = tuple(int(x) for x in self.feature_layers)
-        if self.serial < 0 or self.parallel < 0 or self.serial + self.parallel < 1:
-            raise SpecdraftError(f"a hybrid drafter needs serial >= 0, parallel >= 0 and serial + parallel >= 1 "
-                                 f"(got {self.serial}, {self.parallel})")
-        if self.serial_layers < 1 or self.head_blocks < 0 or not self.feature_layers:
-            raise SpecdraftError("serial layers must be >= 1, head blocks >= 0, and at least one feature layer")
-
-    @classmethod
-    def for_target(cls, tcfg, **kw) -> "HybridConfig":
-        """Serial layers shaped like the target's decoder blocks."""
-        return cls(hidden_size=tcfg.hidden_size, vocab_size=tcfg.vocab_size, num_heads=tcfg.num_heads,
-                   num_kv_heads=tcfg.num_kv_heads, head_dim=tcfg.head_dim, intermediate_size=tcfg.intermediate_size,
-                   rms_eps=tcfg.rms_eps, rope_theta=tcfg.rope_theta, **kw)
-
-    @classmethod
-    def from_json(cls, d: dict) -> "HybridConfig":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
-
-    @property
-    def depth(self) -> int:
-        return self.serial + self.parallel
-
-    @property
-    def kind(self) -> str:
-        """The paper this configuration reproduces."""
-        return "medusa" if self.serial == 0 else "eagle" if self.parallel == 0 else "gumiho"
-
-
-class DraftLayer(nn.Module):
-    """One decoder layer (pre-norm attention + SwiGLU), returning its new keys/values so the
-    caller decides where they live: a cache at inference, plain tensors in training."""
-
-    def __init__(self, cfg: HybridConfig) -> None:
-        super().__init__()
-        h, d = cfg.hidden_size, cfg.head_dim
-        self.hq, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, d
-        self.attn_norm = RMSNorm(h, cfg.rms_eps)
-        self.wqkv = nn.Linear(h, (self.hq + 2 * self.hkv) * d, bias=False)
-        self.wo = nn.Linear(self.hq * d, h, bias=False)
-        self.mlp_norm = RMSNorm(h, cfg.rms_eps)
-        self.w_gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
-        self.w_down = nn.Linear(cfg.intermediate_size, h, bias=False)
-
-    def forward(self, x: Tensor, rot: Tensor, mask: Tensor | None, past_k: Tensor | None = None,
-                past_v: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        # x: [B, T, H]; rot: complex [B, T, 1, D/2]; mask: bool [B, 1, T, P+T] (True = may attend) or
-        # None (all visible); past_k/v: [B, Hkv, P, D].  Returns (y [B, T, H], k, v [B, Hkv, T, D]).
-        b, t, _ = x.shape
-        qkv = self.wqkv(self.attn_norm(x)).unflatten(-1, (self.hq + 2 * self.hkv, self.d))  # [B, T, heads, D]
-        qk = qkv[:, :, : self.hq + self.hkv]
-        # RoPE on (2i, 2i+1) pairs: one complex multiply by e^{i pos theta}
-        qk = torch.view_as_real(torch.view_as_complex(qk.float().unflatten(-1, (self.d // 2, 2))) * rot)
-        qk = qk.flatten(-2).to(x.dtype).transpose(1, 2)  # [B, Hq + Hkv, T, D]
-        q, k = qk[:, : self.hq], qk[:, self.hq :]
-        v = qkv[:, :, self.hq + self.hkv :].transpose(1, 2)  # [B, Hkv, T, D]
-        keys = k if past_k is None else torch.cat([past_k, k], 2)
-        values = v if past_v is None else torch.cat([past_v, v], 2)
-        # grouped-query attention without expanding K/V: the G query heads sharing a KV head become
-        # G*T query rows of that head ([B, Hq, T, D] -> [B, Hkv, G*T, D]), mask rows likewise
-        g = self.hq // self.hkv
-        if mask is not None and g > 1:
-            mask = mask.repeat(1, 1, g, 1)
-        att = F.scaled_dot_product_attention(q.reshape(b, self.hkv, g * t, self.d), keys, values, attn_mask=mask)
-        x = x + self.wo(att.reshape(b, self.hq, t, self.d).transpose(1, 2).reshape(b, t, self.hq * self.d))
-        gate, up = self.w_gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
-        return x + self.w_down(F.silu(gate) * up), k, v
-
-
-class MLPHead(nn.Module):
-    """SiLU(Linear(d_in -> H)), then ``blocks`` residual blocks x + SiLU(Linear(x)), zero-initialised
-    (identity at the start of training)."""
-
-    def __init__(self, d_in: int, h: int, blocks: int) -> None:
-        super().__init__()
-        self.inp = nn.Linear(d_in, h)
-        self.blocks = nn.ModuleList(nn.Linear(h, h) for _ in range(blocks))
-        for blk in self.blocks:
-            nn.init.zeros_(blk.weight)
-            nn.init.zeros_(blk.bias)
-
-    def forward(self, x: Tensor) -> Tensor:
-        x = F.silu(self.inp(x))
-        for blk in self.blocks:
-            x = x + F.silu(blk(x))
-        return x
-
-
-class HybridModel(nn.Module):
-    """The trainable drafter; the target's embeddings and LM head are frozen, non-persistent
-    buffers (shared, never saved).  ``vocab_ids`` [V'] = target ids of the draft vocabulary."""
-
-    def __init__(self, cfg: HybridConfig, embed: Tensor, lm_head: Tensor, vocab_ids: Tensor) -> None:
-        super().__init__()
-        self.cfg = cfg
-        h = cfg.hidden_size
-        self.register_buffer("vocab_ids", vocab_ids.long().clone())
-        self.register_buffer("embed", embed.detach(), persistent=False)  # [V, H]
-        self.register_buffer("head_w", lm_head.detach()[self.vocab_ids].contiguous(), persistent=False)  # [V', H]
-        n_feat = len(cfg.feature_layers)
-        # several target layers (EAGLE-3 style): each is RMS-normalised before the fusing
-        # projection, as the target's own next layer would read it; the raw residual stream of
-        # middle layers carries massive activations (SmolLM2-135M layers 15, 27: |x| up to 2.5e4,
-        # RMS ~65 vs 1.9 for the final state) that would otherwise swamp the projection
-        self.feat_norms = nn.ModuleList(RMSNorm(h, cfg.rms_eps) for _ in range(n_feat)) if n_feat > 1 else None
-        self.fuse = nn.Linear(n_feat * h, h, bias=False) if n_feat > 1 else None
-        if cfg.serial > 0:
-            self.fc = nn.Linear(2 * h, h)
-            self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.serial_layers))
-        self.heads = nn.ModuleList(MLPHead((max(cfg.serial, 1) + 1) * h, h, cfg.head_blocks)
-                                   for _ in range(cfg.parallel))
-        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))
-        self.register_buffer("inv_freq", inv, persistent=False)
-        self._head = None  # PackedWeight of head_w once prepack() ran
-
-    def prepack(self) -> bool:
-        """Inference on a bfloat16 CPU: let oneDNN reorder every weight once (``model.packed``)
-        instead of on every call.  Returns whether it did."""
-        self._head = prepack_model(self, self.head_w)
-        return self._head is not None
-
-    def n_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
-    def feature(self, f: Tensor) -> Tensor:
-        """[..., n_layers * H] target features -> [..., H]."""
-        if self.fuse is None:
-            return f
-        parts = f.split(self.cfg.hidden_size, -1)
-        return self.fuse(torch.cat([norm(x) for norm, x in zip(self.feat_norms, parts)], -1))
-
-    def serial(self, state: Tensor, tokens: Tensor, positions: Tensor, mask: Tensor | None,
-               past: list[tuple[Tensor, Tensor]] | None = None) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
-        """One serial step over T rows: state [B, T, H] (g(f) or the previous step's output),
-        tokens [B, T] (the token each row reads), positions [B, T].  Returns (out [B, T, H], the
-        new (k, v) of every layer)."""
-        freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
-        rot = torch.polar(torch.ones_like(freqs), freqs)[:, :, None]
-        x = self.fc(torch.cat([self.embed[tokens], state], -1))
-        new = []
-        for i, layer in enumerate(self.layers):
-            pk, pv = past[i] if past is not None else (None, None)
-            x, k, v = layer(x, rot, mask, pk, pv)
-            new.append((k, v))
-        return x, new
-
-    def logits(self, h: Tensor) -> Tensor:
-        """[..., H] -> [..., V'] scores over the draft vocabulary (frozen LM-head rows)."""
-        if self._head is not None:
-            return self._head(h)
-        return h @ self.head_w.T
-
-    def head_states(self, x: Tensor, n: int | None = None) -> Tensor:
-        """[R, (max(S,1)+1) H] -> [R, n, H] outputs of the first ``n`` MLP heads."""
-        heads = self.heads if n is None else self.heads[:n]
-        return torch.stack([hd(x) for hd in heads], 1)
 
 
 # ---------------------------------------------------------------------------- tree
@@ -313,42 +120,39 @@ def parallel_levels(beam_cums: list[float], tokens: list[list[list[int]]], logps
 
 
 @dataclass
-class HybridDraftConfig:
-    budget: int = 3  # drafted nodes per tree when no cost curve is stored
+class HybridOptions(TrainedOptions):
+    """``gumiho@key=value,...`` (also medusa, eagle and a hybrid checkpoint path)."""
+
     topk: int = 8  # children scored per expanded node and depth (capped by the budget)
     beams: int = 4  # nodes kept per depth for further expansion (capped by the budget)
-    bf16: int = -1  # 1 = run the drafter in bfloat16, weights packed once (-1: where the CPU has native bfloat16)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.topk < 1 or self.beams < 1:
+            raise SpecdraftError(f"option {'topk' if self.topk < 1 else 'beams'} must be >= 1 "
+                                 f"(got {min(self.topk, self.beams)})")
 
 
-class HybridDrafter:
-    """Drafter protocol around a trained ``HybridModel`` (see the module docstring)."""
+class HybridDrafter(TrainedDrafter):
+    """Drafter protocol around a trained ``HybridModel`` (see the module docstring); its cache holds
+    the serial layers' K/V."""
 
-    def __init__(self, model: HybridModel, config: HybridDraftConfig | None = None, name: str | None = None,
+    default_budget = 3  # drafted nodes per tree without a cost curve (the registry sets the machine's)
+
+    def __init__(self, model: HybridModel, options: HybridOptions | None = None, name: str | None = None,
                  manifest: dict | None = None) -> None:
-        self.model = model.eval()
-        self.cfg = model.cfg
-        self.opts = config or HybridDraftConfig()
-        self.default_budget = self.opts.budget
-        self.name = name or self.cfg.kind
-        self.hidden_layers: tuple[int, ...] = tuple(self.cfg.feature_layers)
-        self.manifest = manifest or {}
-        self.root = -1
+        super().__init__(model, options or HybridOptions(), name or model.cfg.kind, manifest, model.cfg.serial_layers)
         self.state: Tensor | None = None  # [H]: h^1 (S > 0) or g(f_{n-1}) (S = 0)
-        self.n = 0  # committed positions in the serial cache (= index of the root)
-        self.cache: list[tuple[Tensor, Tensor]] = []  # per serial layer: k, v [1, Hkv, capacity, D]
 
     # ------------------------------------------------------------------ protocol
     def _features(self, out: ForwardOutput, rows) -> Tensor:
         """g(f) of the given rows of ``out``: [rows, H]."""
-        f = torch.cat([out.hidden[layer][0, rows] for layer in self.cfg.feature_layers], -1)
-        return self.model.feature(f.to(self.model.head_w.dtype))
+        return self.model.feature(self.target_features(out, rows))
 
     @torch.inference_mode()
     def reset(self, prompt_ids: list[int], first_token: int, prefill: ForwardOutput) -> None:
-        self.root = first_token
+        self.start(first_token)
         p = len(prompt_ids)
-        self.n = 0
-        self.cache = []
         if self.cfg.serial == 0:
             self.state = self._features(prefill, p - 1)
             return
@@ -367,35 +171,17 @@ class HybridDrafter:
     def _advance(self, g: Tensor, next_tokens: list[int]) -> None:
         """Run the serial layers over new committed positions (true features) and cache their K/V."""
         t, n, dev = len(next_tokens), self.n, g.device
-        self._reserve(n + t + self.cfg.depth + 1)
+        self.cache.reserve(n + t + self.cfg.depth + 1, n, self.model.head_w)
         mask = None
         if t > 1:
             mask = torch.ones(1, 1, t, n + t, dtype=torch.bool, device=dev)
             mask[0, 0, :, n:] = torch.tril(mask[0, 0, :, n:])
-        past = [(k[:, :, :n], v[:, :, :n]) for k, v in self.cache]
         pos = torch.arange(n, n + t, device=dev)[None]
         toks = torch.tensor([next_tokens], device=dev)
-        h, new = self.model.serial(g[None], toks, pos, mask, past)
-        for (ck, cv), (k, v) in zip(self.cache, new):
-            ck[:, :, n : n + t] = k
-            cv[:, :, n : n + t] = v
+        h, new = self.model.serial(g[None], toks, pos, mask, self.cache.past(n))
+        self.cache.write(new, n)
         self.n = n + t
         self.state = h[0, -1]
-
-    def _reserve(self, slots: int) -> None:
-        if self.cache and self.cache[0][0].shape[2] >= slots:
-            return
-        cap = max(slots, 2 * (self.cache[0][0].shape[2] if self.cache else 256))
-        ref = self.model.head_w
-        shape = (1, self.cfg.num_kv_heads, cap, self.cfg.head_dim)
-        grown = []
-        for i in range(self.cfg.serial_layers):
-            k, v = torch.zeros(shape, dtype=ref.dtype, device=ref.device), torch.zeros(shape, dtype=ref.dtype, device=ref.device)
-            if self.cache:
-                k[:, :, : self.n] = self.cache[i][0][:, :, : self.n]
-                v[:, :, : self.n] = self.cache[i][1][:, :, : self.n]
-            grown.append((k, v))
-        self.cache = grown
 
     # ------------------------------------------------------------------ drafting
     def _topk(self, h: Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
@@ -423,7 +209,7 @@ class HybridDrafter:
         states = [[self.state] for _ in lv.tokens]  # per node: h^1 .. h^depth along its path
         rows = [[] for _ in lv.tokens]  # per node: its ancestors' rows in the step blocks 2 .. depth
         blocks: list[list[tuple[Tensor, Tensor]]] = []  # per step >= 2: per layer (k, v) [1, Hkv, beams, D]
-        past = [(ck[:, :, : self.n], cv[:, :, : self.n]) for ck, cv in self.cache]
+        past = self.cache.past(self.n)
         for s in range(2, min(cfg.serial, max_depth) + 1):
             beam = list(range(min(width, len(lv.tokens))))  # levels are sorted best first
             nb = len(beam)
@@ -465,62 +251,12 @@ class HybridDrafter:
 # ---------------------------------------------------------------------------- loading
 
 
-def load_model(target, path: str | Path) -> tuple[HybridModel, dict]:
-    """A trained ``HybridModel`` for ``target`` from a checkpoint (clear errors for the wrong target,
-    a corrupt file or one of another kind)."""
-    from specdraft.checkpoint import check_fits, load_checkpoint
-
-    tensors, manifest = load_checkpoint(path, target_hash=target.weight_hash, kind="hybrid")
-    try:
-        cfg = HybridConfig.from_json(manifest["config"])
-        check_fits(cfg, target, path)
-        tm = target.model
-        model = HybridModel(cfg, tm.embed.weight, tm.lm_head.weight, tensors["vocab_ids"].to(tm.embed.weight.device))
-        model.load_state_dict(tensors)
-    except (KeyError, TypeError, RuntimeError, IndexError) as e:
-        raise SpecdraftError(f"checkpoint {path} does not hold a valid hybrid drafter ({e})") from None
-    return model.to(device=target.device, dtype=target.model.embed.weight.dtype), manifest
-
-
-def load_hybrid(target, name: str, path: str | Path | None = None, budget: int | None = None,
-                opts: dict[str, str] | None = None) -> HybridDrafter:
-    """``make_drafter`` entry: ``gumiho``/``medusa``/``eagle`` (shipped weights) or a checkpoint path."""
-    if target is None:
-        raise SpecdraftError(f"the {name} drafter needs the target (its features, embeddings and LM head)")
-    cfg = HybridDraftConfig()
-    for key, value in (opts or {}).items():
-        try:
-            setattr(cfg, key, int(value))
-        except ValueError:
-            raise SpecdraftError(f"{name} option {key} must be an integer (got {value!r})") from None
-        if getattr(cfg, key) < (0 if key == "bf16" else 1) or (key == "bf16" and cfg.bf16 > 1):
-            raise SpecdraftError(f"{name} option {key} must be " + ("0 or 1" if key == "bf16" else ">= 1") + f" (got {value})")
-    if path is None:
-        if name not in NAMES:
-            raise SpecdraftError(f"drafter {name!r} needs a checkpoint path")
-        path = default_weights_path(name)
-        if not path.is_file():
-            raise SpecdraftError(
-                f"the {name} drafter's weights ({path}) are not in this install yet; train them with "
-                f"`specdraft train hybrid {TRAIN_ARGS[name]} --data data/smollm2 --features DIR --out {path}` "
-                f"(see README, Hybrid drafters) or pass a checkpoint path as --drafter")
-    model, manifest = load_model(target, path)
-    if budget is not None:
-        cfg.budget = budget
-    else:
-        from specdraft.bench.cost import budget_from_curve, load_cost_curve, profile_budget
-
-        # with a budget profile in the manifest (`specdraft train profile`): the budget with the best
-        # predicted speed on this machine's cost curve; else the largest tree costing <= 1.5x a token
-        if manifest.get("acceptance_by_budget"):
-            cfg.budget = profile_budget(target, manifest, cfg.budget)
-        elif (curve := load_cost_curve(target)) is not None:
-            cfg.budget = budget_from_curve(curve, default=cfg.budget)
-    if cfg.bf16 < 0:
-        cfg.bf16 = int(native_bf16(target.device))
-    if cfg.bf16:
-        inv_freq = model.inv_freq
-        model = model.to(torch.bfloat16)
-        model.inv_freq = inv_freq  # RoPE angles stay fp32 (bf16 would shift every position's angle)
+def load_hybrid(target, ckpt: DraftCheckpoint, options: HybridOptions, name: str | None) -> HybridDrafter:
+    """The registry's builder: the checkpoint's network, in bfloat16 with packed weights where asked
+    (``options.bf16``; by default where the CPU has native bfloat16)."""
+    model = ckpt.model
+    bf16 = int(native_bf16(target.device)) if options.bf16 < 0 else options.bf16
+    if bf16:
+        model = model.to(torch.bfloat16)  # RoPE angles stay fp32 (DraftModel.inv_freq is no buffer)
         model.prepack()  # oneDNN reorders each weight once, not per call
-    return HybridDrafter(model, cfg, name=name if name in NAMES else None, manifest=manifest)
+    return HybridDrafter(model, options, name=name, manifest=ckpt.manifest)

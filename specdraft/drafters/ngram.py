@@ -24,16 +24,15 @@ class NgramConfig:
     min_n: int = 1  # shortest n-gram matched (1 = a single token)
     depth: int = 8  # longest continuation copied per match
     matches_per_n: int = 4  # most recent matches considered per n-gram length
-    budget: int = 2  # drafted nodes per tree when no cost curve is stored (best measured on a 2-core CPU)
 
 
 class NgramDrafter:
     name = "ngram"
     hidden_layers: tuple[int, ...] = ()
+    default_budget = 2  # drafted nodes per tree without a cost curve (the registry sets the machine's)
 
     def __init__(self, config: NgramConfig | None = None) -> None:
         self.cfg = config or NgramConfig()
-        self.default_budget = self.cfg.budget
         self.history: list[int] = []
         # n-gram -> positions just after each occurrence (ascending)
         self.index: dict[tuple[int, ...], list[int]] = defaultdict(list)

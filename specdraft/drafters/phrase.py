@@ -10,64 +10,51 @@ the same tree (the phrase unit is orthogonal to tree width and depth).  Training
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from specdraft.checkpoint import load_checkpoint
-from specdraft.drafters.ngram import NgramConfig, NgramDrafter
+from specdraft.drafters.ngram import NgramDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.model.llama import ForwardOutput
-from specdraft.train.phrase import FEATURE_LAYER, PhraseHead, PhraseHeadConfig, PhraseVocab
+from specdraft.nn.checkpoint import DraftCheckpoint
+from specdraft.nn.phrase import FEATURE_LAYER, PhraseHead, PhraseVocab
 from specdraft.tree import Tree
 from specdraft.verify import Accepted
 
-DEFAULT_WEIGHTS = "phrase_smollm2_135m.safetensors"
-
-
-def default_weights_path() -> Path:
-    return Path(__file__).resolve().parents[1] / "weights" / DEFAULT_WEIGHTS
-
 
 @dataclass
-class PhraseConfig:
+class PhraseOptions:
+    """``phrase@key=value,...``."""
+
     top_n: int = 16  # entries expanded per step (the budget cuts the tree; more fill it when entries share prefixes)
-    budget: int = 6  # drafted nodes per tree without a cost curve (best measured on a 2-core CPU)
-    with_ngram: bool = True  # also merge the prompt-lookup candidates into the tree
+    ngram: bool = True  # also merge the prompt-lookup candidates into the tree
     ngram_first: bool = False  # order: phrase top-1 first (False) or ngram top-1 first
+
+    def __post_init__(self) -> None:
+        if self.top_n < 1:
+            raise SpecdraftError(f"option top_n must be >= 1 (got {self.top_n})")
+
+    @property
+    def profiled(self) -> bool:
+        """Whether the checkpoint's budget profile (replayed with prompt lookup) describes this configuration."""
+        return self.ngram
 
 
 class PhraseDrafter:
     name = "phrase"
     hidden_layers: tuple[int, ...] = (FEATURE_LAYER,)
+    default_budget = 6  # drafted nodes per tree without a cost curve (the registry sets the machine's)
 
-    def __init__(self, head: PhraseHead, vocab: PhraseVocab, embed: torch.Tensor, config: PhraseConfig | None = None,
+    def __init__(self, head: PhraseHead, vocab: PhraseVocab, embed: torch.Tensor, options: PhraseOptions | None = None,
                  manifest: dict | None = None) -> None:
-        self.cfg = config or PhraseConfig()
-        self.default_budget = self.cfg.budget
+        self.cfg = options or PhraseOptions()
         self.head = head.eval()
         self.vocab = vocab
         self.embed = embed  # the target's (frozen) token embeddings
         self.manifest = manifest or {}
-        self.ngram = NgramDrafter(NgramConfig()) if self.cfg.with_ngram else None
+        self.ngram = NgramDrafter() if self.cfg.ngram else None
         self.h: torch.Tensor | None = None
         self.root = -1
-
-    @classmethod
-    def load(cls, target, path: str | Path | None = None, config: PhraseConfig | None = None) -> "PhraseDrafter":
-        path = Path(path) if path is not None else default_weights_path()
-        tensors, manifest = load_checkpoint(path, target_hash=target.weight_hash, kind="phrase")
-        try:
-            hcfg = PhraseHeadConfig(**manifest["head"])
-            vocab = PhraseVocab.from_json(manifest["vocab"])
-            head = PhraseHead(hcfg)
-            head.load_state_dict({k: v.float() for k, v in tensors.items()})
-        except (KeyError, TypeError, RuntimeError) as e:
-            raise SpecdraftError(f"checkpoint {path} does not hold a valid phrase head ({e})") from None
-        if hcfg.hidden_size != target.config.hidden_size or len(vocab) != hcfg.vocab_size:
-            raise SpecdraftError(f"checkpoint {path} does not fit the target (hidden size {hcfg.hidden_size})")
-        dev = target.device
-        return cls(head.to(dev), vocab, target.model.embed.weight.detach(), config, manifest)
 
     # ------------------------------------------------------------------ drafter protocol
     def reset(self, prompt_ids: list[int], first_token: int, prefill: ForwardOutput) -> None:
@@ -98,22 +85,6 @@ class PhraseDrafter:
         return Tree.from_paths(self.root, paths, budget=budget)
 
 
-def load_phrase(target, path: str | Path | None = None, budget: int | None = None, with_ngram: bool = True,
-                top_n: int | None = None) -> PhraseDrafter:
-    cfg = PhraseConfig(with_ngram=with_ngram)
-    if top_n is not None:
-        if top_n < 1:
-            raise SpecdraftError(f"phrase option top_n must be >= 1 (got {top_n})")
-        cfg.top_n = top_n
-    p = Path(path) if path is not None else default_weights_path()
-    if path is None and not p.is_file():
-        raise SpecdraftError(f"the shipped phrase head {p} is missing from this install")
-    d = PhraseDrafter.load(target, p, cfg)
-    if budget is None and with_ngram:
-        # the budget that maximises held-out tokens per pass / pass cost on this machine's curve
-        from specdraft.bench.cost import profile_budget
-
-        budget = profile_budget(target, d.manifest, cfg.budget)
-    if budget is not None:
-        d.cfg.budget = d.default_budget = budget
-    return d
+def load_phrase(target, ckpt: DraftCheckpoint, options: PhraseOptions, name: str | None) -> PhraseDrafter:
+    """The registry's builder: the head reads the target's (frozen) token embeddings."""
+    return PhraseDrafter(ckpt.model, ckpt.vocab, target.model.embed.weight.detach(), options, ckpt.manifest)

@@ -1,0 +1,1 @@
+"""The target model: a lean Llama-family decoder, its loading (GGUF / HF folder) and its CPU kernels."""

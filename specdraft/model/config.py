@@ -34,6 +34,14 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def check_layers(self, layers, what: str = "feature layer") -> None:
+        """Raise SpecdraftError unless every index in ``layers`` names a hidden state this model has
+        (0 = embeddings, i = output of block i, -1 = the final normed state)."""
+        bad = [x for x in layers if not -1 <= x <= self.num_layers]
+        if bad:
+            raise SpecdraftError(f"{what} {bad[0]} does not exist (the target has {self.num_layers} layers; "
+                                 "0 = embeddings, -1 = final)")
+
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
         """Build from a Hugging Face ``config.json`` dictionary."""

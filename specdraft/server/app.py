@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP API over an ``Engine`` (FastAPI + uvicorn).
+"""OpenAI-compatible HTTP API over a ``RequestQueue`` (FastAPI + uvicorn).
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (``stream: true`` = server-sent
 events ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``.
@@ -20,8 +20,10 @@ import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError, version
 from typing import Literal
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -30,21 +32,22 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdraft.errors import SpecdraftError
 from specdraft.generate import GenerationResult
-from specdraft.server.engine import Cancelled, Engine, Job, encode_messages
+from specdraft.engine import Cancelled
+from specdraft.server.queue import Job, RequestQueue
 
 log = logging.getLogger("specdraft.server")
 
 
 def _version() -> str:
     try:
-        from importlib.metadata import version
-
         return version("specdraft")
-    except Exception:  # running from a source tree without an install
+    except PackageNotFoundError:  # running from a source tree without an install
         return "0"
 
 
 __version__ = _version()
+
+
 MAX_BODY_BYTES = 4 << 20
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 GRACE_S = 5  # on shutdown, open streams get this long before they are cancelled (which stops their generation)
@@ -102,8 +105,8 @@ class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
 
-    def prompt_ids(self, engine: Engine) -> list[int]:
-        return encode_messages(engine.target, [m.as_template_turn() for m in self.messages])
+    def prompt_ids(self, queue: RequestQueue) -> list[int]:
+        return queue.target.encode_messages([m.as_template_turn() for m in self.messages])
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -112,10 +115,10 @@ class ChatRequest(_Common):
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int]
 
-    def prompt_ids(self, engine: Engine) -> list[int]:
+    def prompt_ids(self, queue: RequestQueue) -> list[int]:
         p = self.prompt
         if isinstance(p, list) and p and all(isinstance(x, int) for x in p):
-            vocab = engine.target.config.vocab_size
+            vocab = queue.target.config.vocab_size
             if any(not 0 <= x < vocab for x in p):
                 raise _BadRequest(f"prompt: token ids must be in [0, {vocab})", "prompt")
             return list(p)
@@ -124,7 +127,7 @@ class CompletionRequest(_Common):
                 raise _BadRequest("prompt: exactly one prompt per request (got a list of "
                                   f"{len(p)})", "prompt")
             p = p[0]
-        return engine.target.encode_prompt(p, raw=True)
+        return queue.target.encode_prompt(p, raw=True)
 
 
 class _BadRequest(Exception):
@@ -158,13 +161,13 @@ def _describe(e: ValidationError) -> tuple[str, str | None]:
 
 
 # ---------------------------------------------------------------------- responses
-def _usage(engine: Engine, prompt_len: int, r: GenerationResult) -> dict:
+def _usage(queue: RequestQueue, prompt_len: int, r: GenerationResult) -> dict:
     st = r.stats
     return {"prompt_tokens": prompt_len, "completion_tokens": st.new_tokens,
             "total_tokens": prompt_len + st.new_tokens, "passes": st.passes,
             "tokens_per_pass": round(st.tokens_per_pass, 4),
             "accept_hist": {str(k): v for k, v in st.accept_hist.items()},
-            "tok_s": round(st.tok_s, 2), "wall_s": round(st.wall_s, 4), "drafter": engine.drafter.name}
+            "tok_s": round(st.tok_s, 2), "wall_s": round(st.wall_s, 4), "drafter": queue.drafter.name}
 
 
 class _Kind:
@@ -194,16 +197,16 @@ def _sse(obj: dict | str) -> str:
 
 
 # ---------------------------------------------------------------------- the app
-def create_app(engine: Engine, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+def create_app(queue: RequestQueue, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
-        engine.shutdown()
+        queue.shutdown()
 
     app = FastAPI(title="specdraft", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.engine = engine
+    app.state.queue = queue
     created = int(time.time())
-    fingerprint = f"specdraft-{__version__}-{engine.drafter.name}"
+    fingerprint = f"specdraft-{__version__}-{queue.drafter.name}"
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
@@ -220,12 +223,12 @@ def create_app(engine: Engine, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": engine.model_id, "drafter": engine.drafter.name,
-                "context": engine.context, "queue": engine.load()}
+        return {"status": "ok", "model": queue.model_id, "drafter": queue.drafter.name,
+                "context": queue.context, "queue": queue.load()}
 
     def model_card() -> dict:
-        return {"id": engine.model_id, "object": "model", "created": created, "owned_by": "specdraft",
-                "drafter": engine.drafter.name, "context_length": engine.context}
+        return {"id": queue.model_id, "object": "model", "created": created, "owned_by": "specdraft",
+                "drafter": queue.drafter.name, "context_length": queue.context}
 
     @app.get("/v1/models")
     async def models():
@@ -233,8 +236,8 @@ def create_app(engine: Engine, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        if model_id != engine.model_id:
-            return _error(404, f"model {model_id!r} not found (this server has {engine.model_id!r})",
+        if model_id != queue.model_id:
+            return _error(404, f"model {model_id!r} not found (this server has {queue.model_id!r})",
                           param="model", code="model_not_found")
         return model_card()
 
@@ -252,17 +255,17 @@ def create_app(engine: Engine, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     async def handle(request: Request, schema: type[_Common], kind: _Kind):
         try:
             req = schema.model_validate_json(await read_body(request))
-            if req.model != engine.model_id:
-                raise _BadRequest(f"model {req.model!r} not found (this server has {engine.model_id!r}; "
+            if req.model != queue.model_id:
+                raise _BadRequest(f"model {req.model!r} not found (this server has {queue.model_id!r}; "
                                   "see GET /v1/models)", "model", code="model_not_found")
             limit = req.limit()
-            if limit is not None and limit > engine.context:
-                raise _BadRequest(f"max_tokens must be <= the model's context of {engine.context} "
+            if limit is not None and limit > queue.context:
+                raise _BadRequest(f"max_tokens must be <= the model's context of {queue.context} "
                                   f"(got {limit})", "max_tokens")
             stops = req.stops()
-            ids = req.prompt_ids(engine)
-            engine.check_prompt(ids)
-            cfg = engine.config(limit, req.temperature, req.top_p, req.top_k, req.seed, stops)
+            ids = req.prompt_ids(queue)
+            queue.check_prompt(ids)
+            cfg = queue.config(limit, req.temperature, req.top_p, req.top_k, req.seed, stops)
         except ValidationError as e:
             msg, param = _describe(e)
             return _error(400, msg, param=param)
@@ -271,19 +274,19 @@ def create_app(engine: Engine, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
         except SpecdraftError as e:
             return _error(400, str(e))
         rid = f"{kind.prefix}-{uuid.uuid4().hex[:24]}"
-        head = {"id": rid, "created": int(time.time()), "model": engine.model_id, "system_fingerprint": fingerprint}
+        head = {"id": rid, "created": int(time.time()), "model": queue.model_id, "system_fingerprint": fingerprint}
         if req.stream:
-            return await stream(engine, ids, cfg, kind, head, bool(req.stream_options and req.stream_options.include_usage))
-        job = engine.submit(ids, cfg)
+            return await stream(queue, ids, cfg, kind, head, bool(req.stream_options and req.stream_options.include_usage))
+        job = queue.submit(ids, cfg)
         if job is None:
             return busy()
-        return await wait(request, engine, job, kind, head)
+        return await wait(request, queue, job, kind, head)
 
     def busy() -> JSONResponse:
-        return _error(429, f"the server is busy: {engine.capacity} requests are running or queued; retry later",
+        return _error(429, f"the server is busy: {queue.capacity} requests are running or queued; retry later",
                       "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
 
-    async def wait(request: Request, engine: Engine, job: Job, kind: _Kind, head: dict):
+    async def wait(request: Request, queue: RequestQueue, job: Job, kind: _Kind, head: dict):
         fut = asyncio.wrap_future(job.future)
         while True:
             done, _ = await asyncio.wait({fut}, timeout=0.25)
@@ -299,9 +302,9 @@ def create_app(engine: Engine, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
         except SpecdraftError as e:
             return _error(400, str(e))
         return {**head, "object": kind.object, "choices": [kind.choice(r.text, r.finish_reason)],
-                "usage": _usage(engine, len(job.prompt_ids), r)}
+                "usage": _usage(queue, len(job.prompt_ids), r)}
 
-    async def stream(engine: Engine, ids: list[int], cfg, kind: _Kind, head: dict, include_usage: bool):
+    async def stream(queue: RequestQueue, ids: list[int], cfg, kind: _Kind, head: dict, include_usage: bool):
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue = asyncio.Queue()
 
@@ -313,7 +316,7 @@ def create_app(engine: Engine, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
                     job.cancel.set()
 
         job = None
-        job = engine.submit(ids, cfg, on_text=lambda s: put(s))
+        job = queue.submit(ids, cfg, on_text=lambda s: put(s))
         if job is None:
             return busy()
         job.future.add_done_callback(lambda f: put(None))
@@ -336,7 +339,7 @@ def create_app(engine: Engine, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
                     return
                 yield _sse({**chunk, "choices": [kind.delta(None, r.finish_reason)]})
                 if include_usage:
-                    yield _sse({**chunk, "choices": [], "usage": _usage(engine, len(ids), r)})
+                    yield _sse({**chunk, "choices": [], "usage": _usage(queue, len(ids), r)})
                 yield _sse("[DONE]")
             finally:
                 job.cancel.set()  # a client that left stops its generation (no-op once finished)
@@ -360,13 +363,11 @@ def create_app(engine: Engine, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
 class ServerThread:
     """Runs ``app`` with uvicorn on a daemon thread (tests, load checks); port 0 = any free port.
 
-    with ServerThread(create_app(engine)) as srv:
+    with ServerThread(create_app(queue)) as srv:
         OpenAI(base_url=srv.url + "/v1", api_key="none")
     """
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, quiet: bool = True) -> None:
-        import uvicorn
-
         self.host = host
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -398,9 +399,7 @@ class ServerThread:
         self.sock.close()
 
 
-def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, quiet: bool = False) -> None:
+def serve(queue: RequestQueue, host: str = "127.0.0.1", port: int = 8000, quiet: bool = False) -> None:
     """Run the server until Ctrl-C."""
-    import uvicorn
-
-    uvicorn.run(create_app(engine), host=host, port=port, log_level="warning" if quiet else "info",
+    uvicorn.run(create_app(queue), host=host, port=port, log_level="warning" if quiet else "info",
                 access_log=not quiet, timeout_graceful_shutdown=GRACE_S)

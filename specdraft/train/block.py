@@ -26,7 +26,6 @@ steps and after every epoch, so an interrupted run resumes to the same weights.
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,16 +33,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from tqdm import tqdm
 
-from specdraft.drafters.block import BlockConfig, BlockModel
 from specdraft.errors import SpecdraftError
+from specdraft.nn.block import BlockConfig, BlockModel
+from specdraft.train.corpus import AnchorBatch, Corpus, load_corpus, make_batch, plan_epoch, split_and_vocabulary, token_at
 from specdraft.train.data import check_data_target, manifest_sha256
-from specdraft.train.hybrid import Batch, Corpus, load_corpus, make_batch, plan_epoch, split_and_vocabulary, token_at
-from specdraft.train.state import fingerprint_of, load_state, save_state, state_path
+from specdraft.train.loop import adamw, optimizer_step, resume, save_fp16, save_state, set_lr, state_path
 
 
 @dataclass
-class TrainConfig:
+class BlockTrainConfig:
     modes: int = 1  # K: mode embeddings (1 = single-mode DFlash)
     draft_layers: int = 1  # drafter decoder layers
     block_size: int = 8  # B: root + B-1 drafted positions
@@ -80,7 +80,7 @@ class TrainConfig:
 # ---------------------------------------------------------------------------- forward and loss
 
 
-def block_states(model: BlockModel, batch: Batch) -> Tensor:
+def block_states(model: BlockModel, batch: AnchorBatch) -> Tensor:
     """Final-normed drafter states of every anchor's blocks in one pass: [Bs, A, K, B, H], row 0
     the root (the mode gate reads it), row j scoring x_{a+j}.  ``batch.anchors`` holds a-1 (the position of the last context feature, as in
     ``specdraft.train.hybrid``), so the root x_a is ``token_at(batch, 1)``."""
@@ -114,7 +114,7 @@ class BlockOut:
     gate: Tensor  # [N, K] log pi_k of the mode gate (uniform without one)
 
 
-def forward_blocks(model: BlockModel, batch: Batch, t2d: Tensor) -> BlockOut:
+def forward_blocks(model: BlockModel, batch: AnchorBatch, t2d: Tensor) -> BlockOut:
     """Logits and per-depth cross-entropy of every labelled block of ``batch``."""
     hb = block_states(model, batch)
     h, h_root = hb[..., 1:, :], hb[..., 0, :]  # [Bs, A, K, D, H], [Bs, A, K, H]
@@ -136,7 +136,7 @@ def depth_weights(depth: int, gamma: float, device=None) -> Tensor:
     return torch.exp(-torch.arange(depth, dtype=torch.float32, device=device) / gamma)
 
 
-def wta_loss(out: BlockOut, w: Tensor, shares: Tensor, cfg: TrainConfig) -> tuple[Tensor, Tensor]:
+def wta_loss(out: BlockOut, w: Tensor, shares: Tensor, cfg: BlockTrainConfig) -> tuple[Tensor, Tensor]:
     """The winner-take-all loss (module docstring) and each block's winning mode [N]."""
     s = (out.ce * w).sum(-1)  # [N, K]
     ws = (out.ok * w).sum(-1)  # [N]
@@ -208,7 +208,7 @@ class EvalStats:
 # ---------------------------------------------------------------------------- training
 
 
-def schedule(corpus: Corpus, train_ids: list[int], cfg: TrainConfig) -> list[tuple[int, int, list[int]]]:
+def schedule(corpus: Corpus, train_ids: list[int], cfg: BlockTrainConfig) -> list[tuple[int, int, list[int]]]:
     """(epoch, batch index, sequence ids) of every optimizer step: whole epochs, or epochs cut at
     ``steps``."""
     out: list[tuple[int, int, list[int]]] = []
@@ -221,26 +221,20 @@ def schedule(corpus: Corpus, train_ids: list[int], cfg: TrainConfig) -> list[tup
             return out[: cfg.steps] if cfg.steps else out
 
 
-def batch_generator(cfg: TrainConfig, epoch: int, index: int) -> torch.Generator:
+def batch_generator(cfg: BlockTrainConfig, epoch: int, index: int) -> torch.Generator:
     """The anchors of a batch depend on (seed, epoch, batch) only, so a resumed run draws the same."""
     return torch.Generator().manual_seed((cfg.seed * 1_000_003 + epoch) * 1_000_003 + index)
 
 
-def train_block(target, data_dir: str | Path, feat_dir: str | Path, out: str | Path, cfg: TrainConfig,
+def train_block(target, data_dir: str | Path, feat_dir: str | Path, out: str | Path, cfg: BlockTrainConfig,
                 quiet: bool = False, log=print) -> dict:
     """Train a block drafter (K = ``cfg.modes``) for ``target`` and write ``out`` (safetensors +
     manifest).  Re-running the same command after an interruption resumes from the last save."""
-    from tqdm import tqdm
-
-    from specdraft.checkpoint import save_checkpoint
-
     out = Path(out)
     dev = target.device
     tcfg = target.config
     mcfg = cfg.model_config(tcfg)
-    bad = [x for x in cfg.feature_layers if not -1 <= x <= tcfg.num_layers]
-    if bad:
-        raise SpecdraftError(f"feature layer {bad[0]} does not exist (the target has {tcfg.num_layers} layers; -1 = final)")
+    tcfg.check_layers(cfg.feature_layers)
     corpus, data_manifest = load_corpus(data_dir, feat_dir, cfg.feature_layers, need_final=False, shards=cfg.shards)
     check_data_target(data_manifest, target, data_dir)
     n_seq = len(corpus.tokens)
@@ -258,19 +252,11 @@ def train_block(target, data_dir: str | Path, feat_dir: str | Path, out: str | P
         f"trainable parameters ({model.n_params() / n_target:.1%} of the target); draft vocabulary {len(vocab_ids)} "
         f"tokens covering {covered:.2%} of training response tokens; {len(train_ids)} training / {len(val_ids)} "
         f"held-out sequences")
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-                            lr=cfg.lr)
+    opt = adamw(model, cfg.lr, cfg.weight_decay)
     steps = schedule(corpus, train_ids, cfg)
     total = len(steps)
     warm = max(1, int(cfg.warmup * total))
     w = depth_weights(mcfg.depth, cfg.gamma, dev)
-
-    def set_lr(step: int) -> None:  # linear warm-up, then cosine to zero
-        f = min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * step / total))
-        for grp in opt.param_groups:
-            grp["lr"] = cfg.lr * f
 
     spath = state_path(out)
     fingerprint = json.loads(json.dumps({"config": asdict(cfg), "data": manifest_sha256(data_manifest),
@@ -278,17 +264,10 @@ def train_block(target, data_dir: str | Path, feat_dir: str | Path, out: str | P
     fresh = {"step": 0, "history": [], "shares": [1.0 / cfg.modes] * cfg.modes, "wins": [0] * cfg.modes,
              "loss_sum": 0.0, "loss_n": 0}
     meta = dict(fresh)
-    if spath.is_file():
-        try:
-            got = load_state(spath, model, opt) if fingerprint_of(spath) == fingerprint else None
-        except Exception as e:  # a torn or foreign state file: start over rather than fail
-            log(f"ignoring {spath}: {e}")
-            got = None
-        if got is not None:
-            meta = {k: got[k] for k in fresh}
-            log(f"resuming from {spath} at step {meta['step']} of {total}")
-        else:
-            log(f"ignoring {spath}: it belongs to another run configuration")
+    got = resume(spath, fingerprint, model, opt, log)
+    if got is not None:
+        meta = {k: got[k] for k in fresh}
+        log(f"resuming from {spath} at step {meta['step']} of {total}")
     shares = torch.tensor(meta["shares"], dtype=torch.float32, device=dev)
 
     def autocast():
@@ -316,17 +295,11 @@ def train_block(target, data_dir: str | Path, feat_dir: str | Path, out: str | P
         step = meta["step"]
         epoch, index, ids = steps[step]
         batch = make_batch(corpus, ids, cfg.anchors, batch_generator(cfg, epoch, index), dev)
-        set_lr(step)
+        set_lr(opt, cfg.lr, step, total, warm)
         with autocast():
             fb = forward_blocks(model, batch, t2d)
         loss, win = wta_loss(fb, w, shares, cfg)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        lv = float(loss.detach())
-        if not math.isfinite(lv):
-            raise SpecdraftError(f"the training loss is not finite ({lv}) at step {step + 1}; lower --lr")
+        lv = optimizer_step(model, opt, loss, f"at step {step + 1}")
         counts = torch.bincount(win, minlength=cfg.modes).float()
         shares = 0.99 * shares + 0.01 * counts / counts.sum().clamp(min=1)
         meta["wins"] = [a + int(b) for a, b in zip(meta["wins"], counts.tolist())]
@@ -376,8 +349,6 @@ def train_block(target, data_dir: str | Path, feat_dir: str | Path, out: str | P
         "target_params": n_target,
         "train_wall_s": time.perf_counter() - t_train,
     }
-    sd = {k: (v.to(torch.float16) if v.is_floating_point() else v) for k, v in model.state_dict().items()}
-    save_checkpoint(out, sd, manifest)
-    spath.unlink(missing_ok=True)
+    save_fp16(out, model.state_dict(), manifest)
     log(f"wrote {out}")
     return manifest

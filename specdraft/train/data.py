@@ -26,10 +26,16 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Iterator
 
+from importlib.metadata import PackageNotFoundError, version
+
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from specdraft.errors import SpecdraftError
+from specdraft.model.batched_decode import generate_batch
+from specdraft.model.llama import causal_mask
 from specdraft.train.prompts import SOURCES, TRAIN_SEED_BASE, Prompt, collect_prompts, normalize
 
 MANIFEST = "manifest.json"
@@ -37,8 +43,6 @@ PROMPTS = "prompts.jsonl"
 
 
 def project_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("specdraft")
     except PackageNotFoundError:
@@ -82,8 +86,6 @@ def _write_atomic(path: Path, write) -> None:
 
 
 def save_shard(path: Path, seqs: list[Sequence]) -> None:
-    from safetensors.torch import save_file
-
     lengths = torch.tensor([len(s.tokens) for s in seqs], dtype=torch.int64)
     tensors = {
         "tokens": torch.tensor([t for s in seqs for t in s.tokens], dtype=torch.int32),
@@ -96,8 +98,6 @@ def save_shard(path: Path, seqs: list[Sequence]) -> None:
 
 
 def load_shard(path: Path) -> list[Sequence]:
-    from safetensors.torch import load_file
-
     try:
         t = load_file(str(path))
         tokens, offsets = t["tokens"].tolist(), t["offsets"].tolist()
@@ -137,8 +137,6 @@ def build_data(target, out_dir: str | Path, cfg: BuildConfig | None = None, quie
 
     Resumable: re-running with the same folder continues at the first shard not yet written.
     """
-    from specdraft.batch import generate_batch
-
     cfg = cfg or BuildConfig()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -247,8 +245,6 @@ class FeatureBatch:
 @torch.inference_mode()
 def compute_features(target, seqs: list[Sequence], layers: tuple[int, ...]) -> FeatureBatch:
     """One batched, no-grad target pass over right-padded sequences; hidden states of ``layers``."""
-    from specdraft.model.llama import causal_mask
-
     dev = target.device
     n, width = len(seqs), max(len(s.tokens) for s in seqs)
     tokens = torch.zeros(n, width, dtype=torch.long, device=dev)
@@ -283,8 +279,6 @@ def feature_cache_bytes(seqs: list[Sequence], layers: tuple[int, ...], hidden_si
 def cache_features(target, data_dir: str | Path, out_dir: str | Path, layers: tuple[int, ...],
                    batch_size: int = 8, quiet: bool = False) -> Path:
     """Write fp16 feature shards (one per data shard) after showing the size; skips shards already written."""
-    from safetensors.torch import save_file
-
     data, out = Path(data_dir), Path(out_dir)
     manifest = read_manifest(data)
     check_data_target(manifest, target, data)
@@ -320,12 +314,10 @@ def _free_bytes(path: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def read_features(feat_dir: str | Path, shard_files: list[str], layers: tuple[int, ...]) -> Tensor:
+def read_features(feat_dir: str | Path, shard_files: list[str], layers: tuple[int, ...]) -> torch.Tensor:
     """The cached fp16 features [rows, len(layers) * H] of the given data shards: per shard file
     ``features_XXXXX.safetensors`` with one key ``layer_L`` per layer, rows = every token of every
     sequence in shard order; the layers side by side."""
-    from safetensors import safe_open
-
     parts = []
     for name in shard_files:
         path = Path(feat_dir) / name.replace("shard_", "features_")

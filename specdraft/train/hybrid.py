@@ -24,25 +24,25 @@ positions per sequence (fixed by seed and epoch), so its cost is set, and the pe
 from __future__ import annotations
 
 import json
-import math
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from tqdm import tqdm
 
-from specdraft.drafters.hybrid import HybridConfig, HybridModel, load_model
 from specdraft.errors import SpecdraftError
-from specdraft.model.llama import FINAL
-from specdraft.train.data import check_data_target, manifest_sha256, read_features
-from specdraft.train.state import fingerprint_of, load_state, save_state, state_path
+from specdraft.nn.checkpoint import load_draft_model
+from specdraft.nn.hybrid import HybridConfig, HybridModel
+from specdraft.train.corpus import AnchorBatch, Corpus, load_corpora, make_batch, plan_epoch, split_and_vocabulary, take, token_at
+from specdraft.train.data import check_data_target, manifest_sha256
+from specdraft.train.loop import adamw, optimizer_step, resume, save_fp16, save_state, set_lr, state_path
 
 
 @dataclass
-class TrainConfig:
+class HybridTrainConfig:
     serial: int = 2  # S: serial draft positions
     parallel: int = 5  # M: parallel MLP heads
     serial_layers: int = 1  # decoder layers of the serial part
@@ -81,185 +81,6 @@ class TrainConfig:
                                        feature_layers=self.feature_layers, draft_vocab=self.draft_vocab)
 
 
-# ---------------------------------------------------------------------------- data
-
-
-@dataclass
-class Corpus:
-    tokens: list[list[int]]  # per sequence: prompt + response
-    prompt_len: list[int]
-    offsets: list[int]  # first row of each sequence in the flat feature tensors
-    feats: Tensor  # [rows, n_layers * H] fp16, the drafter's input features
-    final: Tensor | None  # [rows, H] fp16 final features (regression targets) or None
-
-
-def load_corpus(data_dir: str | Path, feat_dir: str | Path, layers: tuple[int, ...], need_final: bool,
-                shards: int = 0) -> tuple[Corpus, dict]:
-    """Sequences and cached features of the first ``shards`` data shards (0 = all)."""
-    corpus, manifests, _ = load_corpora([(data_dir, feat_dir)], layers, need_final, shards)
-    return corpus, manifests[0]
-
-
-def load_corpora(folders: list[tuple[str | Path, str | Path]], layers: tuple[int, ...], need_final: bool,
-                 shards: int = 0) -> tuple[Corpus, list[dict], list[int]]:
-    """One corpus from several (data folder, feature folder) pairs, in order, each cut to its first
-    ``shards`` data shards (0 = all).  Returns (corpus, the folders' manifests with ``shards_used``,
-    sequences per folder)."""
-    from specdraft.train.data import load_shard, read_manifest
-
-    read = layers if not need_final or FINAL in layers else layers + (FINAL,)
-    seqs, parts, manifests, sizes = [], [], [], []
-    for data_dir, feat_dir in folders:
-        manifest = read_manifest(Path(data_dir))
-        use = manifest["shards"][: shards or None]
-        if not use:
-            raise SpecdraftError(f"{data_dir} has no data shards yet")
-        mine = []
-        for s in use:
-            path = Path(data_dir) / s["file"]
-            if not path.is_file():
-                raise SpecdraftError(f"data shard {path} listed in the manifest is missing")
-            mine += load_shard(path)
-        feats = read_features(feat_dir, [s["file"] for s in use], read)
-        if feats.shape[0] != sum(len(s.tokens) for s in mine):
-            raise SpecdraftError(f"features in {feat_dir} do not match the data in {data_dir}: recompute them")
-        seqs += mine
-        parts.append(feats)
-        manifests.append({**manifest, "shards_used": len(use)})
-        sizes.append(len(mine))
-    feats = parts[0] if len(parts) == 1 else torch.cat(parts)
-    del parts
-    final = None
-    if need_final:  # a view of the final layer's columns
-        h = feats.shape[1] // len(read)
-        k = read.index(FINAL)
-        final = feats[:, k * h : (k + 1) * h]
-    if len(read) > len(layers):
-        feats = feats[:, : len(layers) * feats.shape[1] // len(read)]
-    offsets = [0]
-    for s in seqs[:-1]:
-        offsets.append(offsets[-1] + len(s.tokens))
-    return Corpus([s.tokens for s in seqs], [s.prompt_len for s in seqs], offsets, feats, final), manifests, sizes
-
-
-def held_out_split(n_seq: int, seed: int, holdout: float) -> tuple[list[int], list[int]]:
-    """(train_ids, val_ids) of the hybrid and block trainers (and of a budget profile, which must
-    replay the same held-out sequences): the first ``holdout`` share of a seeded permutation, at
-    least one sequence on each side."""
-    n_held = min(n_seq - 1, max(1, int(n_seq * holdout))) if n_seq > 1 else 0
-    perm = torch.randperm(n_seq, generator=torch.Generator().manual_seed(seed)).tolist()
-    return sorted(perm[n_held:]), sorted(perm[:n_held])
-
-
-def split_and_vocabulary(corpus: Corpus, seed: int, holdout: float, size: int, target,
-                         groups: list[int] | None = None, vocab_ids: Tensor | None = None):
-    """What the hybrid and block trainers share: the held-out split (``held_out_split``), the draft
-    vocabulary of the training responses, the target-id -> draft-index map (-100 outside, on the
-    target's device) and the share of training response tokens it covers.  ``groups`` (sequences
-    per data folder, in order) splits each folder on its own, so a folder's held-out sequences are
-    the same whatever folders train beside it; ``vocab_ids`` fixes the draft vocabulary (a run
-    started from a trained drafter keeps its vocabulary).
-    Returns (train_ids, val_ids, vocab_ids, t2d, coverage)."""
-    train_ids, val_ids, start = [], [], 0
-    for n in groups or [len(corpus.tokens)]:
-        tr, va = held_out_split(n, seed, holdout)
-        train_ids += [start + i for i in tr]
-        val_ids += [start + i for i in va]
-        start += n
-    if start != len(corpus.tokens):
-        raise SpecdraftError(f"the folder sizes ({sum(groups)} sequences) do not add up to the corpus ({len(corpus.tokens)})")
-    vocab_size = target.config.vocab_size
-    if vocab_ids is None:
-        vocab_ids = draft_vocabulary(corpus, train_ids, size, vocab_size, target.eos_ids)
-    t2d = torch.full((vocab_size,), -100, dtype=torch.long)
-    t2d[vocab_ids] = torch.arange(len(vocab_ids))
-    t2d = t2d.to(target.device)
-    resp = [t for k in train_ids for t in corpus.tokens[k][corpus.prompt_len[k]:]]
-    covered = float((t2d[torch.tensor(resp, device=target.device)] >= 0).float().mean()) if resp else 0.0
-    return train_ids, val_ids, vocab_ids, t2d, covered
-
-
-def draft_vocabulary(corpus: Corpus, seq_ids: list[int], size: int, vocab_size: int, always: set[int]) -> Tensor:
-    """The ``size`` token ids most frequent in the responses of ``seq_ids`` (then in prompts, then by
-    id), ``always`` included; all ids when ``size`` is 0 or covers the vocabulary."""
-    if size <= 0 or size >= vocab_size:
-        return torch.arange(vocab_size)
-    resp, prompt = Counter(), Counter()
-    for k in seq_ids:
-        toks, p = corpus.tokens[k], corpus.prompt_len[k]
-        resp.update(toks[p:])
-        prompt.update(toks[:p])
-    forced = sorted(t for t in always if 0 <= t < vocab_size)
-    rank = sorted((t for t in set(resp) | set(prompt) if t not in always), key=lambda t: (-resp[t], -prompt[t], t))
-    ids = forced + rank[: max(0, size - len(forced))]
-    if len(ids) < size:  # fewer distinct tokens than asked: pad with the lowest unused ids
-        used = set(ids)
-        ids += [t for t in range(vocab_size) if t not in used][: size - len(ids)]
-    return torch.tensor(ids, dtype=torch.long)
-
-
-@dataclass
-class Batch:
-    tokens: Tensor  # [B, T] ids, right-padded with 0
-    lengths: Tensor  # [B]
-    prompt_len: Tensor  # [B]
-    feats: Tensor  # [B, T, n_layers * H]
-    final: Tensor | None  # [B, T, H]
-    anchors: Tensor  # [B, A] anchor positions i (padded with 0)
-    anchor_ok: Tensor  # [B, A] real anchors
-
-
-def valid_anchors(length: int, prompt_len: int) -> range:
-    """Anchors whose depth-1 label x_{i+2} is a response token."""
-    return range(max(0, prompt_len - 2), max(0, length - 2))
-
-
-def plan_epoch(corpus: Corpus, seq_ids: list[int], batch_tokens: int, gen: torch.Generator) -> list[list[int]]:
-    """Shuffled batches of whole sequences, similar lengths together, <= batch_tokens padded tokens."""
-    order = [seq_ids[i] for i in torch.randperm(len(seq_ids), generator=gen).tolist()]
-    batches: list[list[int]] = []
-    for c in range(0, len(order), 64):
-        chunk = sorted(order[c : c + 64], key=lambda k: len(corpus.tokens[k]))
-        cur: list[int] = []
-        for k in chunk:
-            width = max([len(corpus.tokens[j]) for j in cur + [k]])
-            if cur and width * (len(cur) + 1) > batch_tokens:
-                batches.append(cur)
-                cur = []
-            cur.append(k)
-        if cur:
-            batches.append(cur)
-    perm = torch.randperm(len(batches), generator=gen).tolist()
-    return [batches[i] for i in perm]
-
-
-def make_batch(corpus: Corpus, seq_ids: list[int], anchors: int, gen: torch.Generator, device) -> Batch:
-    lens = [len(corpus.tokens[k]) for k in seq_ids]
-    b, t = len(seq_ids), max(lens)
-    tokens = torch.zeros(b, t, dtype=torch.long)
-    rows = torch.zeros(b, t, dtype=torch.long)
-    picks = []
-    for r, k in enumerate(seq_ids):
-        n = lens[r]
-        tokens[r, :n] = torch.tensor(corpus.tokens[k])
-        rows[r, :n] = torch.arange(corpus.offsets[k], corpus.offsets[k] + n)
-        cand = torch.tensor(list(valid_anchors(n, corpus.prompt_len[k])), dtype=torch.long)
-        if anchors and len(cand) > anchors:
-            cand = cand[torch.randperm(len(cand), generator=gen)[:anchors]].sort().values
-        picks.append(cand)
-    a = max(1, max(len(p) for p in picks))
-    anc = torch.zeros(b, a, dtype=torch.long)
-    ok = torch.zeros(b, a, dtype=torch.bool)
-    for r, p in enumerate(picks):
-        anc[r, : len(p)] = p
-        ok[r, : len(p)] = True
-    feats = corpus.feats[rows].float()
-    final = corpus.final[rows].float() if corpus.final is not None else None
-    return Batch(tokens.to(device), torch.tensor(lens, device=device),
-                 torch.tensor([corpus.prompt_len[k] for k in seq_ids], device=device), feats.to(device),
-                 None if final is None else final.to(device), anc.to(device), ok.to(device))
-
-
 # ---------------------------------------------------------------------------- loss
 
 
@@ -284,22 +105,10 @@ class DepthStats:
                 "ce": [c / n if n else 0.0 for c, n in zip(self.ce, self.n)], "labels": list(self.n)}
 
 
-def _take(x: Tensor, idx: Tensor) -> Tensor:
-    """x [B, T, ...] at positions idx [B, A] -> [B, A, ...]."""
-    return x[torch.arange(x.shape[0], device=x.device)[:, None], idx]
-
-
-def token_at(batch: Batch, offset: int) -> tuple[Tensor, Tensor]:
-    """Token x_{i+offset} of every anchor i [B, A] and whether it is a response token."""
-    j = batch.anchors + offset
-    ok = batch.anchor_ok & (j < batch.lengths[:, None]) & (j >= batch.prompt_len[:, None])
-    return batch.tokens.gather(1, j.clamp(max=batch.tokens.shape[1] - 1)), ok
-
-
-def final_at(batch: Batch, offset: int) -> Tensor:
+def final_at(batch: AnchorBatch, offset: int) -> Tensor:
     """The target's final feature f_{i+offset} of every anchor i [B, A, H] (it predicted
     x_{i+offset+1}, the label of draft depth ``offset``)."""
-    return _take(batch.final, (batch.anchors + offset).clamp(max=batch.tokens.shape[1] - 1))
+    return take(batch.final, (batch.anchors + offset).clamp(max=batch.tokens.shape[1] - 1))
 
 
 def scale_grad(x: Tensor, share: float) -> Tensor:
@@ -311,7 +120,7 @@ def scale_grad(x: Tensor, share: float) -> Tensor:
     return base if share <= 0.0 else base + share * (x - base)
 
 
-def draft_states(model: HybridModel, batch: Batch, unroll: int = 0, head_grad: float = 1.0) -> list[Tensor]:
+def draft_states(model: HybridModel, batch: AnchorBatch, unroll: int = 0, head_grad: float = 1.0) -> list[Tensor]:
     """Teacher-forced drafter states at every anchor: per depth d = 1 .. S+M, [B, A, H], the state
     whose LM-head scores draft depth d (label x_{i+1+d}); the same maths as the drafter's steps.
     ``unroll`` > S runs the serial part for that many steps and appends the extra serial states
@@ -330,7 +139,7 @@ def draft_states(model: HybridModel, batch: Batch, unroll: int = 0, head_grad: f
         causal = torch.tril(torch.ones(t - 1, t - 1, dtype=torch.bool, device=dev))[None, None]
         pos = torch.arange(t - 1, device=dev)[None].expand(b, -1)
         h1, ctx = model.serial(g[:, : t - 1], tok[:, 1:], pos, causal)
-        hs = [_take(h1, anc)]  # [B, A, H]
+        hs = [take(h1, anc)]  # [B, A, H]
         sees_ctx = torch.arange(t - 1, device=dev)[None, None] <= anc[:, :, None]  # [B, A, T-1]
         own = torch.eye(a, dtype=torch.bool, device=dev)[None].expand(b, -1, -1)
         blocks: list[list[tuple[Tensor, Tensor]]] = []
@@ -346,7 +155,7 @@ def draft_states(model: HybridModel, batch: Batch, unroll: int = 0, head_grad: f
         head_in = [scale_grad(h, head_grad) for h in hs]
     else:
         extra = []
-        hs, head_in = [], [model.feature(_take(batch.feats, anc))]
+        hs, head_in = [], [model.feature(take(batch.feats, anc))]
     if mc.parallel > 0:
         last_tok, _ = token_at(batch, mc.serial + 1)
         x = torch.cat(head_in + [model.embed[last_tok]], -1)  # [B, A, (max(S,1)+1) H]
@@ -355,7 +164,7 @@ def draft_states(model: HybridModel, batch: Batch, unroll: int = 0, head_grad: f
     return hs + extra
 
 
-def losses(model: HybridModel, batch: Batch, t2d: Tensor, cfg: TrainConfig) -> tuple[Tensor, DepthStats]:
+def losses(model: HybridModel, batch: AnchorBatch, t2d: Tensor, cfg: HybridTrainConfig) -> tuple[Tensor, DepthStats]:
     """Weighted loss of one batch and its per-depth statistics (see the module docstring)."""
     mc = model.cfg
     stats = DepthStats.empty(mc.depth)
@@ -391,9 +200,6 @@ def losses(model: HybridModel, batch: Batch, t2d: Tensor, cfg: TrainConfig) -> t
     return total, stats
 
 
-# ---------------------------------------------------------------------------- resumable state
-
-
 # ---------------------------------------------------------------------------- training
 
 
@@ -402,11 +208,12 @@ def _data_record(data_dir, manifest: dict, sequences: int) -> dict:
             "sequences": sequences, "response_tokens": sum(s["response_tokens"] for s in manifest["shards"][: manifest["shards_used"]])}
 
 
-def _init_checkpoint(target, cfg: TrainConfig, mcfg: HybridConfig) -> tuple[dict, dict]:
+def _init_checkpoint(target, cfg: HybridTrainConfig, mcfg: HybridConfig) -> tuple[dict, dict]:
     """The state (weights and ``vocab_ids``) and manifest of ``cfg.init``, loaded as the drafter
     loader does (target, kind and tensors checked), refused unless its configuration is exactly the
     one this run trains."""
-    model, manifest = load_model(target, cfg.init)
+    ckpt = load_draft_model(target, cfg.init, "hybrid")
+    model, manifest = ckpt.model, ckpt.manifest
     theirs, ours = asdict(model.cfg), asdict(mcfg)
     diff = sorted(k for k in ours if theirs.get(k) != ours[k])
     if diff:
@@ -415,7 +222,7 @@ def _init_checkpoint(target, cfg: TrainConfig, mcfg: HybridConfig) -> tuple[dict
     return model.state_dict(), manifest
 
 
-def _check_init_split(init: str, manifest: dict, cfg: TrainConfig, data_dirs: list, data_manifests: list[dict],
+def _check_init_split(init: str, manifest: dict, cfg: HybridTrainConfig, data_dirs: list, data_manifests: list[dict],
                       groups: list[int]) -> None:
     """Refuse a fine-tune whose held-out sequences the starting checkpoint trained on: a folder it was
     trained on must be split the same way here (same seed, holdout share and sequences)."""
@@ -437,7 +244,7 @@ def _init_fingerprint(manifest: dict) -> str:
     return manifest_sha256({k: manifest.get(k) for k in ("config", "train", "data", "data_more", "history", "train_wall_s")})
 
 
-def _shared_prompts(corpus: "Corpus", groups: list[int]) -> int:
+def _shared_prompts(corpus: Corpus, groups: list[int]) -> int:
     """Prompts (token-identical) that occur in more than one of the folders."""
     owner: dict[tuple, int] = {}
     shared, start = 0, 0
@@ -450,7 +257,7 @@ def _shared_prompts(corpus: "Corpus", groups: list[int]) -> int:
     return shared
 
 
-def train_hybrid(target, data_dir, feat_dir, out: str | Path, cfg: TrainConfig,
+def train_hybrid(target, data_dir, feat_dir, out: str | Path, cfg: HybridTrainConfig,
                  quiet: bool = False, log=print) -> dict:
     """Train a hybrid drafter for ``target`` and write ``out`` (safetensors + manifest).  Re-running
     the same command after an interruption resumes after the last finished epoch.
@@ -458,17 +265,11 @@ def train_hybrid(target, data_dir, feat_dir, out: str | Path, cfg: TrainConfig,
     ``data_dir`` / ``feat_dir``: a data folder and its feature folder, or equal-length lists of them
     (trained on together; each folder keeps its own held-out split).  ``cfg.init``: start from a
     trained checkpoint of the same configuration (fine-tuning), keeping its draft vocabulary."""
-    from tqdm import tqdm
-
-    from specdraft.checkpoint import save_checkpoint
-
     out = Path(out)
     dev = target.device
     tcfg = target.config
     mcfg = cfg.model_config(tcfg)
-    bad = [x for x in cfg.feature_layers if not -1 <= x <= tcfg.num_layers]
-    if bad:
-        raise SpecdraftError(f"feature layer {bad[0]} does not exist (the target has {tcfg.num_layers} layers; -1 = final)")
+    tcfg.check_layers(cfg.feature_layers)
     data_dirs = [data_dir] if isinstance(data_dir, (str, Path)) else list(data_dir)
     feat_dirs = [feat_dir] if isinstance(feat_dir, (str, Path)) else list(feat_dir)
     if not data_dirs or len(data_dirs) != len(feat_dirs):
@@ -480,7 +281,6 @@ def train_hybrid(target, data_dir, feat_dir, out: str | Path, cfg: TrainConfig,
     for d, m in zip(data_dirs, data_manifests):
         check_data_target(m, target, d)
     data_manifest = data_manifests[0]
-    n_seq = len(corpus.tokens)
     if len(groups) > 1:
         shared = _shared_prompts(corpus, groups)
         if shared:
@@ -506,19 +306,10 @@ def train_hybrid(target, data_dir, feat_dir, out: str | Path, cfg: TrainConfig,
     log(f"{mcfg.kind} drafter (serial {mcfg.serial}, parallel {mcfg.parallel}): {model.n_params():,} trainable "
         f"parameters ({model.n_params() / n_target:.1%} of the target); draft vocabulary {len(vocab_ids)} tokens "
         f"covering {covered:.2%} of training response tokens; {len(train_ids)} training / {len(val_ids)} held-out sequences")
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-                            lr=cfg.lr)
+    opt = adamw(model, cfg.lr, cfg.weight_decay)
     plans = [plan_epoch(corpus, train_ids, cfg.batch_tokens, torch.Generator().manual_seed(cfg.seed * 1000 + e))
              for e in range(cfg.epochs)]
     total_steps = sum(len(p) for p in plans)
-
-    def set_lr(step: int) -> None:  # linear warm-up, then cosine to zero
-        f = min(1.0, (step + 1) / max(1, cfg.warmup_steps)) * 0.5 * (1 + math.cos(math.pi * min(step, total_steps) / total_steps))
-        for grp in opt.param_groups:
-            grp["lr"] = cfg.lr * f
-
     spath = state_path(out)
     fp_cfg = asdict(cfg)
     for name in ("distill", "init"):  # absent at their defaults, so runs started before the options still resume
@@ -530,17 +321,10 @@ def train_hybrid(target, data_dir, feat_dir, out: str | Path, cfg: TrainConfig,
         fp["init"] = _init_fingerprint(init_manifest)
     fingerprint = json.loads(json.dumps(fp))
     start_epoch, history = 0, []
-    if spath.is_file():
-        try:
-            meta = load_state(spath, model, opt) if fingerprint_of(spath) == fingerprint else None
-        except Exception as e:  # a torn or foreign state file: start over rather than fail
-            log(f"ignoring {spath}: {e}")
-            meta = None
-        if meta is not None:
-            start_epoch, history = meta["epoch"], meta["history"]
-            log(f"resuming from {spath} after epoch {start_epoch}")
-        else:
-            log(f"ignoring {spath}: it belongs to another run configuration")
+    meta = resume(spath, fingerprint, model, opt, log)
+    if meta is not None:
+        start_epoch, history = meta["epoch"], meta["history"]
+        log(f"resuming from {spath} after epoch {start_epoch}")
 
     @torch.no_grad()
     def evaluate() -> dict:
@@ -560,16 +344,10 @@ def train_hybrid(target, data_dir, feat_dir, out: str | Path, cfg: TrainConfig,
         run_loss, seen, t_epoch = 0.0, DepthStats.empty(mcfg.depth), time.perf_counter()
         for i, ids in enumerate(bar):
             batch = make_batch(corpus, ids, cfg.anchors, gen, dev)
-            set_lr(step)
+            set_lr(opt, cfg.lr, step, total_steps, cfg.warmup_steps)
             loss, st = losses(model, batch, t2d, cfg)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
+            lv = optimizer_step(model, opt, loss, f"at epoch {epoch + 1}")
             step += 1
-            lv = float(loss.detach())
-            if not math.isfinite(lv):
-                raise SpecdraftError(f"the training loss is not finite ({lv}) at epoch {epoch + 1}; lower --lr")
             run_loss = 0.95 * run_loss + 0.05 * lv if i else lv
             seen.add(st)
             if i == 4 and len(plans[epoch]) > 10:
@@ -611,8 +389,6 @@ def train_hybrid(target, data_dir, feat_dir, out: str | Path, cfg: TrainConfig,
         for key in ("data_more", "init"):  # a fine-tune of a fine-tune keeps the whole history
             if key in init_manifest:
                 manifest["init"][key] = init_manifest[key]
-    sd = {k: (v.to(torch.float16) if v.is_floating_point() else v) for k, v in model.state_dict().items()}
-    save_checkpoint(out, sd, manifest)
-    spath.unlink(missing_ok=True)
+    save_fp16(out, model.state_dict(), manifest)
     log(f"wrote {out}")
     return manifest

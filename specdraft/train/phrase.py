@@ -1,4 +1,5 @@
-"""Phrase drafter: vocabulary mining, labels, the MLP head and its training.
+"""Phrase drafter training: vocabulary mining, labels and the head's training loop (the head
+itself: ``specdraft.nn.phrase``).
 
 Words are the target tokenizer's pre-tokenizer units (a BPE token never crosses one).  A draft
 entry is a span of one to three consecutive words of the target's regenerated responses; a span
@@ -20,18 +21,21 @@ import json
 import math
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
+from tqdm import tqdm
 
+from specdraft.drafters.phrase import PhraseDrafter, PhraseOptions
 from specdraft.errors import SpecdraftError
-from specdraft.train.data import check_data_target, manifest_sha256
-from specdraft.train.state import fingerprint_of, load_state, save_state, state_path
-
-FEATURE_LAYER = -1  # the final (normed) hidden state
-
+from specdraft.nn.checkpoint import load_checkpoint, save_checkpoint
+from specdraft.nn.phrase import FEATURE_LAYER, PhraseHead, PhraseHeadConfig, PhraseVocab
+from specdraft.replay import simulate
+from specdraft.train.data import check_data_target, load_sequences, manifest_sha256, read_features, read_manifest
+from specdraft.train.loop import adamw, optimizer_step, resume, save_fp16, save_state, set_lr, state_path
+from specdraft.train.profile import PROFILE_BUDGETS
 
 # ---------------------------------------------------------------------------- words and expansion
 
@@ -97,34 +101,6 @@ def split_response(seq_tokens: list[int], prompt_len: int, special: set[int]) ->
 
 
 # ---------------------------------------------------------------------------- mining
-
-
-@dataclass
-class PhraseVocab:
-    texts: list[str]  # byte-level text of each entry (decode with the tokenizer for display)
-    expansions: list[list[int]]  # target token ids of each entry
-    counts: list[int]  # occurrences in the mined responses
-    stats: dict = field(default_factory=dict)
-
-    def __len__(self) -> int:
-        return len(self.expansions)
-
-    def to_json(self) -> dict:
-        return {"texts": self.texts, "expansions": self.expansions, "counts": self.counts, "stats": self.stats}
-
-    @classmethod
-    def from_json(cls, d: dict) -> "PhraseVocab":
-        return cls(d["texts"], [list(e) for e in d["expansions"]], d["counts"], d.get("stats", {}))
-
-    def trie(self) -> dict:
-        """token -> {..., -1: entry index}: for longest-match labelling."""
-        root: dict = {}
-        for k, exp in enumerate(self.expansions):
-            node = root
-            for t in exp:
-                node = node.setdefault(t, {})
-            node[-1] = k
-        return root
 
 
 def count_spans(responses: list[list[int]], vocab: Vocab, max_words: int = 3, max_tokens: int = 8) -> tuple[Counter, int]:
@@ -200,35 +176,6 @@ def longest_entry(trie: dict, tokens: list[int], start: int, end: int | None = N
 # ---------------------------------------------------------------------------- head
 
 
-@dataclass
-class PhraseHeadConfig:
-    hidden_size: int  # target hidden size
-    vocab_size: int  # draft entries
-    bottleneck: int = 256
-    use_root_embedding: bool = True  # read the root token's (frozen target) embedding beside h
-
-
-class PhraseHead(nn.Module):
-    """[h ; e(root)] -> 256 -> SiLU -> 256 -> SiLU -> one 257-parameter row per entry."""
-
-    def __init__(self, cfg: PhraseHeadConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        d_in = cfg.hidden_size * (2 if cfg.use_root_embedding else 1)
-        self.inp = nn.Linear(d_in, cfg.bottleneck)
-        self.mid = nn.Linear(cfg.bottleneck, cfg.bottleneck)
-        self.out = nn.Linear(cfg.bottleneck, cfg.vocab_size)
-
-    def forward(self, h: Tensor, e: Tensor | None = None) -> Tensor:
-        x = torch.cat([h, e], -1) if self.cfg.use_root_embedding else h
-        x = nn.functional.silu(self.inp(x))
-        x = nn.functional.silu(self.mid(x))
-        return self.out(x)
-
-    def n_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
-
 # ---------------------------------------------------------------------------- training data
 
 
@@ -264,8 +211,6 @@ def build_examples(seqs, pvocab: PhraseVocab, special: set[int]) -> PhraseExampl
 
 def load_feature_rows(feat_dir: str | Path, data_manifest: dict, layer: int = FEATURE_LAYER) -> Tensor:
     """The cached fp16 features of ``layer`` for every token of every shard, concatenated."""
-    from specdraft.train.data import read_features
-
     return read_features(feat_dir, [s["file"] for s in data_manifest["shards"]], (layer,))
 
 
@@ -287,26 +232,22 @@ def seq_offsets(seqs) -> list[int]:
 
 
 @dataclass
-class TrainConfig:
-    vocab_size: int = 8000
+class PhraseTrainConfig:
+    vocab_size: int = 8000  # draft vocabulary entries mined
     epochs: int = 4
-    batch_size: int = 1024
+    batch_size: int = 1024  # labelled positions per step
     lr: float = 2e-3
-    weight_decay: float = 0.01
+    weight_decay: float = 0.01  # on the weight matrices (not the biases)
+    warmup_steps: int = 100  # linear warm-up, then cosine to zero
     holdout: float = 0.05  # share of sequences held out for validation
     seed: int = 0
-    bottleneck: int = 256
-    use_root_embedding: bool = True
+    bottleneck: int = 256  # the head's hidden width
+    use_root_embedding: bool = True  # the head also reads the root token's embedding
 
 
-def train_phrase(target, data_dir: str | Path, feat_dir: str | Path, out: str | Path, cfg: TrainConfig,
+def train_phrase(target, data_dir: str | Path, feat_dir: str | Path, out: str | Path, cfg: PhraseTrainConfig,
                  quiet: bool = False, log=print) -> dict:
     """Mine the vocabulary, train the head, write ``out`` (safetensors + manifest).  Resumable."""
-    from tqdm import tqdm
-
-    from specdraft.checkpoint import save_checkpoint
-    from specdraft.train.data import load_sequences, read_manifest
-
     out = Path(out)
     data_manifest = read_manifest(Path(data_dir))
     check_data_target(data_manifest, target, data_dir)
@@ -336,26 +277,18 @@ def train_phrase(target, data_dir: str | Path, feat_dir: str | Path, out: str | 
     n_target = sum(p.numel() for p in target.model.parameters())
     log(f"head: {head.n_params():,} parameters ({head.n_params() / n_target:.3%} of the target's {n_target:,}); "
         f"output layer {len(pvocab)} x {cfg.bottleneck + 1}")
-    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = adamw(head, cfg.lr, cfg.weight_decay)
     steps_per_epoch = math.ceil(len(tr_idx) / cfg.batch_size)
     total = steps_per_epoch * cfg.epochs
-
-    def set_lr(step: int) -> None:  # 100 warm-up steps, then cosine to zero
-        f = min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
-        for grp in opt.param_groups:
-            grp["lr"] = cfg.lr * f
 
     spath = state_path(out)
     fingerprint = json.loads(json.dumps({"config": asdict(cfg), "data": manifest_sha256(data_manifest),
                                          "target": target.weight_hash}))
     start_epoch, history = 0, []
-    if spath.is_file():
-        if fingerprint_of(spath) == fingerprint:
-            meta = load_state(spath, head, opt)
-            start_epoch, history = meta["epoch"], meta["history"]
-            log(f"resuming from {spath} after epoch {start_epoch}")
-        else:
-            log(f"ignoring {spath}: it belongs to another run configuration")
+    meta = resume(spath, fingerprint, head, opt, log)
+    if meta is not None:
+        start_epoch, history = meta["epoch"], meta["history"]
+        log(f"resuming from {spath} after epoch {start_epoch}")
 
     def batch(idx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         h = feats[ex.feat_index[idx]].float()
@@ -385,12 +318,9 @@ def train_phrase(target, data_dir: str | Path, feat_dir: str | Path, out: str | 
         run_loss = 0.0
         for step in bar:
             h, e, y = batch(perm[step * cfg.batch_size : (step + 1) * cfg.batch_size])
-            set_lr(epoch * steps_per_epoch + step)
+            set_lr(opt, cfg.lr, epoch * steps_per_epoch + step, total, cfg.warmup_steps)
             loss = nn.functional.cross_entropy(head(h, e), y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            lv = float(loss.detach())
+            lv = optimizer_step(head, opt, loss, f"at epoch {epoch + 1}", clip=None)
             run_loss = 0.98 * run_loss + 0.02 * lv if step else lv
             if step % 20 == 0:
                 bar.set_postfix(loss=f"{run_loss:.3f}")
@@ -424,13 +354,9 @@ def train_phrase(target, data_dir: str | Path, feat_dir: str | Path, out: str | 
     manifest["acceptance_by_budget"] = acceptance_profile(head16, pvocab, target, [seqs[i] for i in held],
                                                           [feats[offsets[i] : offsets[i + 1]] for i in held])
     log(f"held-out tokens per pass by budget (offline replay, with prompt lookup): {manifest['acceptance_by_budget']}")
-    save_checkpoint(out, {k: v.to(torch.float16) for k, v in head.state_dict().items()}, manifest)
-    spath.unlink(missing_ok=True)
+    save_fp16(out, head.state_dict(), manifest)
     log(f"wrote {out}")
     return manifest
-
-
-PROFILE_BUDGETS = (1, 2, 3, 4, 6, 8, 12, 16)
 
 
 @torch.no_grad()
@@ -438,10 +364,7 @@ def acceptance_profile(head: PhraseHead, pvocab: PhraseVocab, target, seqs, feat
                        budgets=PROFILE_BUDGETS, max_seqs: int = 48) -> dict[str, float]:
     """Tokens per pass by node budget, replaying held-out responses offline (shipped configuration:
     phrase entries + prompt lookup).  Lets the drafter pick its budget from a machine's cost curve."""
-    from specdraft.bench.simulate import simulate
-    from specdraft.drafters.phrase import PhraseConfig, PhraseDrafter
-
-    drafter = PhraseDrafter(head.eval(), pvocab, target.model.embed.weight.detach().cpu(), PhraseConfig())
+    drafter = PhraseDrafter(head.eval(), pvocab, target.model.embed.weight.detach().cpu(), PhraseOptions())
     special = set(target.tokenizer.all_special_ids) if target.tokenizer is not None else set()
     tot = {b: [0, 0] for b in budgets}
     for sq, f in list(zip(seqs, feats))[:max_seqs]:
@@ -458,9 +381,6 @@ def acceptance_profile(head: PhraseHead, pvocab: PhraseVocab, target, seqs, feat
 
 def add_acceptance_profile(target, checkpoint: str | Path, data_dir: str | Path, feat_dir: str | Path) -> dict:
     """Compute and store ``acceptance_by_budget`` in an existing phrase checkpoint (same held-out split)."""
-    from specdraft.checkpoint import load_checkpoint, save_checkpoint
-    from specdraft.train.data import load_sequences, read_manifest
-
     tensors, manifest = load_checkpoint(checkpoint, target_hash=target.weight_hash, kind="phrase")
     seqs = load_sequences(data_dir)
     feats = load_feature_rows(feat_dir, read_manifest(Path(data_dir)))

@@ -27,8 +27,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specdraft.bench.datasets import GSM_EVAL_SEED, gsm_prompts, humaneval_prompts, mtbench_turns
+from specdraft.datasets import GSM_EVAL_SEED, gsm_prompts, humaneval_prompts, mtbench_turns
 from specdraft.errors import SpecdraftError
+from specdraft.model.batched_decode import generate_batch
+from specdraft.verify import Sampling
 
 SOURCES = ("gsm", "reasoning", "codeio", "magpie")
 SOURCE_WEIGHTS = {"gsm": 0.3, "reasoning": 0.25, "codeio": 0.25, "magpie": 0.2}
@@ -122,9 +124,6 @@ def user_prefix(tokenizer) -> str:
 
 def magpie_prompts(target, n: int, seed: int = TRAIN_SEED_BASE, batch_size: int = 32, quiet: bool = False) -> list[Prompt]:
     """Instructions sampled from the target given only the user prefix, deduplicated."""
-    from specdraft.batch import generate_batch
-    from specdraft.verify import Sampling
-
     if getattr(target.tokenizer, "chat_template", None) is None:
         return []
     prefix_ids = target.tokenizer(user_prefix(target.tokenizer), add_special_tokens=False).input_ids

@@ -1,14 +1,10 @@
-"""The serving engine: one target, one drafter, one generation at a time from a bounded queue.
+"""The server's request queue: one generation at a time from a bounded queue.
 
-Nothing here imports the web framework, so ``specdraft chat`` uses the same pieces
-(``encode_messages``, ``HookedDrafter``) without it.
-
-* ``HookedDrafter`` wraps any drafter: before every target pass it checks a cancel flag (a
-  disconnected client stops its generation within one pass) and after every pass it reports
-  the tokens committed (live tokens per pass for the chat).
-* ``Engine`` admits at most ``1 + max_queue`` requests (running + waiting); a request beyond
-  that is refused at once (HTTP 429), so nothing waits without bound.  Generations run on a
-  single worker thread, so the target's KV cache is never shared.
+``RequestQueue`` admits at most ``1 + max_queue`` requests (running + waiting); a request beyond
+that is refused at once (HTTP 429), so nothing waits without bound.  Generations run on a single
+worker thread through the ``Engine``, so the target's KV cache is never shared; each has a cancel
+flag (a disconnected client stops its generation within one pass).  Nothing here imports the web
+framework.
 """
 
 from __future__ import annotations
@@ -19,68 +15,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-from specdraft.drafters.base import Drafter, NoDrafter
+from specdraft.engine import Cancelled, Engine
 from specdraft.errors import SpecdraftError
-from specdraft.generate import GenerateConfig, GenerationResult, generate
-from specdraft.target import Target
+from specdraft.generate import GenerateConfig, GenerationResult
 from specdraft.verify import Sampling
 
-
 MIN_TEMPERATURE = 1e-4  # below this a request decodes greedily
-
-
-class Cancelled(Exception):
-    """The generation's cancel flag was set (client gone, server shutting down, Ctrl-C)."""
-
-
-class HookedDrafter:
-    """Delegates to ``inner``; raises ``Cancelled`` before a pass once ``cancel`` is set and
-    calls ``on_pass(tokens committed)`` after each pass that does not end the generation."""
-
-    def __init__(self, inner: Drafter, cancel: threading.Event | None = None,
-                 on_pass: Callable[[int], None] | None = None) -> None:
-        self.inner = inner
-        self.cancel = cancel
-        self.on_pass = on_pass
-
-    def __getattr__(self, name: str):  # name, hidden_layers, default_budget, anything else
-        return getattr(self.inner, name)
-
-    def _check(self) -> None:
-        if self.cancel is not None and self.cancel.is_set():
-            raise Cancelled()
-
-    def reset(self, prompt_ids, first_token, prefill) -> None:
-        self._check()
-        self.inner.reset(prompt_ids, first_token, prefill)
-
-    def propose(self, budget: int):
-        self._check()
-        return self.inner.propose(budget)
-
-    def commit(self, accepted, out) -> None:
-        self.inner.commit(accepted, out)
-        if self.on_pass is not None:
-            self.on_pass(len(accepted.new_tokens))
-
-
-def encode_messages(target: Target, messages: list[dict]) -> list[int]:
-    """Token ids of a whole conversation (system / user / assistant turns) in the target's chat
-    template, ending with the assistant prefix; equal to ``target.encode_prompt(text)`` for a
-    single user message."""
-    tok = target.tokenizer
-    if tok is None:
-        raise SpecdraftError("the target has no tokenizer, so it cannot take text")
-    if not messages:
-        raise SpecdraftError("the conversation is empty")
-    if getattr(tok, "chat_template", None):
-        try:
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # jinja2 errors, raise_exception() in the template
-            raise SpecdraftError(f"the chat template rejected the messages: {e}") from None
-        return tok(text, add_special_tokens=False).input_ids
-    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-    return tok(text).input_ids
 
 
 @dataclass
@@ -92,18 +32,19 @@ class Job:
     future: Future | None = None
 
 
-class Engine:
-    def __init__(self, target: Target, drafter: Drafter | None = None, model_id: str | None = None,
-                 max_queue: int = 8, default_max_tokens: int = 512, default_temperature: float = 0.0,
-                 budget: int | None = None) -> None:
+class RequestQueue:
+    def __init__(self, engine: Engine, model_id: str | None = None, max_queue: int = 8, default_max_tokens: int = 512,
+                 default_temperature: float = 0.0, budget: int | None = None) -> None:
+        target = engine.target
         if target.tokenizer is None:
             raise SpecdraftError("the target has no tokenizer; the server needs one")
         if max_queue < 0:
             raise SpecdraftError(f"--max-queue must be >= 0 (got {max_queue})")
         if default_max_tokens < 1:
             raise SpecdraftError(f"--max-tokens must be >= 1 (got {default_max_tokens})")
+        self.engine = engine
         self.target = target
-        self.drafter = drafter or NoDrafter()
+        self.drafter = engine.drafter
         self.model_id = model_id or target.name
         self.capacity = 1 + max_queue
         self.default_max_tokens = default_max_tokens
@@ -172,8 +113,7 @@ class Engine:
             if job.cancel.is_set():
                 raise Cancelled()
             self.running = True
-            drafter = HookedDrafter(self.drafter, cancel=job.cancel)
-            r = generate(self.target, job.prompt_ids, drafter, job.config, on_text=job.on_text)
+            r = self.engine.generate(job.prompt_ids, job.config, on_text=job.on_text, cancel=job.cancel)
             self.completed += 1
             return r
         except Cancelled:

@@ -6,7 +6,8 @@ the target's hidden states come from *one* pass over prompt + greedy output, and
 the drafter's tree is walked along the known continuation, exactly as greedy verification would.
 The drafter receives the hidden states of the accepted nodes (the only ones a lossless drafter
 may read), so tokens per pass matches a real run up to floating-point noise in the features.
-Use it to sweep vocabulary sizes and node budgets in minutes; timing belongs to ``bench``.
+Use it to sweep vocabulary sizes and node budgets in minutes (``specdraft analyze acceptance``,
+``specdraft train profile``); timing belongs to ``bench``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
+from specdraft.model.batched_decode import generate_batch
 from specdraft.model.llama import ForwardOutput, causal_mask
 from specdraft.verify import Accepted
 
@@ -25,10 +28,6 @@ from specdraft.verify import Accepted
 def greedy_outputs(target, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 10,
                    cache: str | Path | None = None, quiet: bool = True) -> list[list[int]]:
     """Greedy continuations (EOS kept when produced), batched; cached in ``cache`` (JSON) if given."""
-    from tqdm import tqdm
-
-    from specdraft.batch import generate_batch
-
     key = {"target": target.weight_hash, "max_new_tokens": max_new_tokens, "prompts": prompts}
     if cache is not None and Path(cache).is_file():
         d = json.loads(Path(cache).read_text())
@@ -136,57 +135,3 @@ def predicted_speedup(curve: dict, tpp: float, budget: int, draft_ms: float) -> 
         return None
     worst = max(r for m, r in zip(curve["n"], curve["ratio"]) if m <= n)  # never cheaper for more tokens
     return tpp / (worst + draft_ms / curve["ms"][0])
-
-
-def acceptance_sweep(target, drafters: list[str], datasets: list[str], n: int, max_new_tokens: int,
-                     budgets: list[int], out_dir: str | Path, quiet: bool = False,
-                     cache_dir: str | Path | None = None) -> dict:
-    """Offline tokens per pass per dataset x drafter x budget; writes DIR/acceptance.json.
-
-    With several drafters it also compares every pair at each budget over the same prompts
-    (``paired``: pooled difference with a bootstrap interval, ``specdraft.bench.stats``), from the
-    per-prompt counts it stores under ``per_prompt``.
-
-    Also records each drafter's mean ``propose`` time per budget (measured during the replay: run it
-    on a quiet machine) and, when this machine's cost curve is stored, the predicted speed-up over
-    plain greedy per budget and the best budget by that prediction."""
-    from specdraft.bench.cost import load_cost_curve
-    from specdraft.bench.datasets import load_prompts
-    from specdraft.bench.stats import paired_comparisons
-    from specdraft.drafters import make_drafter
-    from specdraft.errors import SpecdraftError
-
-    if not drafters:
-        raise SpecdraftError("give at least one --drafter")
-    if any(b < 0 for b in budgets):
-        raise SpecdraftError("budgets must be >= 0")
-    made = {spec: make_drafter(spec, target) for spec in dict.fromkeys(drafters)}
-    out = Path(out_dir)
-    res: dict = {"config": {"n": n, "max_new_tokens": max_new_tokens, "budgets": budgets, "target": target.name,
-                            "target_hash": target.weight_hash, "method": "offline replay of greedy output"},
-                 "datasets": {}}
-    for ds in datasets:
-        prompts = [target.encode_prompt(p) for p in load_prompts(ds, n)]
-        outs = greedy_outputs(target, prompts, max_new_tokens, cache=Path(cache_dir or out / "greedy_outputs") / f"{Path(ds).stem}.json",
-                              quiet=quiet)
-        dms: dict = {}
-        each: dict = {}
-        res["datasets"][ds] = simulate_dataset(target, made, prompts, outs, budgets, quiet=quiet, draft_ms=dms,
-                                               per_prompt=each)
-        res.setdefault("draft_ms", {})[ds] = dms
-        res.setdefault("per_prompt", {})[ds] = each
-        if len(made) > 1:  # same prompts and output for every drafter: compare them paired
-            res.setdefault("paired", {})[ds] = {b: paired_comparisons({m: each[m][b] for m in made}) for b in budgets}
-    curve = load_cost_curve(target)
-    if curve is not None:
-        res["config"]["one_token_pass_ms"] = curve["ms"][0]
-        for ds, per in res["datasets"].items():
-            pred = {name: {b: predicted_speedup(curve, tpp[b], b, res["draft_ms"][ds][name][b]) for b in budgets}
-                    for name, tpp in per.items()}
-            res.setdefault("predicted_speedup_vs_greedy", {})[ds] = pred
-            res.setdefault("best_budget", {})[ds] = {
-                name: max((v, b) for b, v in p.items() if v is not None)[1] for name, p in pred.items()
-                if any(v is not None for v in p.values())}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "acceptance.json").write_text(json.dumps(res, indent=1))
-    return res

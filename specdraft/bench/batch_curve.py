@@ -12,9 +12,9 @@ import time
 
 from tqdm import tqdm
 
-from specdraft.batch import generate_batch
 from specdraft.bench.runner import TIE_GAP, divergence
 from specdraft.generate import GenerateConfig, generate
+from specdraft.model.batched_decode import generate_batch
 from specdraft.train.prompts import codeio_prompts, gsm_train_prompts, reasoning_prompts
 
 

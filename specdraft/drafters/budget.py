@@ -1,0 +1,89 @@
+"""The one budget policy: how many drafted nodes a drafter's tree gets when the user gives none.
+
+On a CPU a pass over N tokens costs more than one token, so the budget must be sized to the
+machine.  ``specdraft bench --cost-curve`` measures the target's pass time for N = 1..64 tokens
+and stores it per target, device, dtype and thread count (``curve_path``).  A drafter then takes:
+
+1. with a budget profile in its checkpoint (``acceptance_by_budget``: held-out tokens per pass per
+   budget, from ``specdraft train profile``) and a stored cost curve: the budget maximising tokens
+   per pass / (the pass over budget + 1 tokens + the measured drafting time) (``best_budget``);
+2. with a cost curve only: the largest tree costing at most 1.5x a one-token pass (``budget_from_curve``);
+3. with neither: the drafter's own fallback (its registry entry).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from specdraft.model.load import cache_dir
+
+CURVE_VERSION = 3  # bumped whenever a pass's cost changes (2: fused quantized decoder blocks; 3: their glue as plain loops): older curves are stale
+
+
+def curve_path(target) -> Path:
+    """Where this machine's cost curve for ``target`` (as loaded: device, dtype, kernel, threads) lives."""
+    dtype = str(target.model.embed.weight.dtype).replace("torch.", "")
+    q = target.model.quantized_rows
+    name = (f"{target.weight_hash[:16]}_{target.device.type}_{dtype}{f'_q{q}' if q else ''}_t{torch.get_num_threads()}"
+            f"_e{CURVE_VERSION}.json")
+    return cache_dir() / "cost_curves" / name
+
+
+def save_cost_curve(target, curve: dict) -> Path:
+    path = curve_path(target)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(curve, indent=1))
+    return path
+
+
+def load_cost_curve(target) -> dict | None:
+    path = curve_path(target)
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None  # a torn file: treated as not measured
+
+
+def budget_from_curve(curve: dict, max_ratio: float = 1.5, default: int = 8, cap: int = 32) -> int:
+    """Drafted nodes (tree size - 1) of the largest tree costing <= max_ratio x one token."""
+    ok = [n for n, r in zip(curve["n"], curve["ratio"]) if r <= max_ratio]
+    if not ok:
+        return default
+    return max(1, min(cap, max(ok) - 1))
+
+
+def best_budget(curve: dict | None, tokens_per_pass: dict, default: int, draft_ms: dict | None = None) -> int:
+    """The budget maximising tokens per pass / cost of a step (``tokens_per_pass``: budget -> measured
+    tokens per pass, e.g. a drafter's held-out profile).  A step costs the curve's pass over budget + 1
+    tokens, plus ``draft_ms[budget]`` (drafting time per pass, when given) in units of the curve's
+    one-token pass.  ``default`` without a curve or profile."""
+    if not curve or not tokens_per_pass:
+        return default
+    ratio, worst = {}, 0.0
+    for n, r in zip(curve["n"], curve["ratio"]):  # a bigger tree is never counted as cheaper (noise)
+        worst = max(worst, r)
+        ratio[n] = worst
+    one = float(curve["ms"][0]) if curve.get("ms") else 0.0
+    draft = {int(b): float(v) for b, v in (draft_ms or {}).items()}
+
+    def cost(b: int) -> float:
+        return ratio[b + 1] + (draft.get(b, 0.0) / one if one > 0 else 0.0)
+
+    scored = [(float(t) / cost(int(b)), int(b)) for b, t in tokens_per_pass.items() if int(b) + 1 in ratio]
+    return max(scored)[1] if scored else default
+
+
+def default_budget(target, fallback: int, manifest: dict | None = None) -> int:
+    """The policy in the module docstring; ``manifest``: the drafter checkpoint's (None: no profile)."""
+    curve = load_cost_curve(target)
+    if curve is None:
+        return fallback
+    profile = (manifest or {}).get("acceptance_by_budget")
+    if profile:
+        return best_budget(curve, profile, fallback, (manifest or {}).get("budget_profile", {}).get("draft_ms"))
+    return budget_from_curve(curve, default=fallback)

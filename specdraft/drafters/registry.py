@@ -1,0 +1,191 @@
+"""The drafter registry: one table of drafter specs, and ``make_drafter`` built from it.
+
+``make_drafter("NAME@key=value,...", target)`` looks NAME up in ``REGISTRY`` (or, for a path,
+reads the checkpoint's kind from its manifest), parses the options into the spec's options
+dataclass (which validates them), loads the shipped weights or the checkpoint through
+``nn.checkpoint.load_draft_model`` (target-fit checks included), builds the drafter, wraps it
+with prompt lookup when ``ngram=N`` asks for it, and sets its node budget by the one budget
+policy (``drafters.budget.default_budget``).  ``NAME@budget=N`` fixes the budget for any drafter.
+
+Adding a drafter: one module with the drafter, its options dataclass and a builder
+``(target, checkpoint, options, name) -> Drafter``, plus one ``DrafterSpec`` row below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, fields
+from pathlib import Path
+from typing import Callable
+
+from specdraft.drafters.base import Drafter, NoDrafter
+from specdraft.drafters.block import BlockOptions, load_block
+from specdraft.drafters.budget import default_budget
+from specdraft.drafters.combine import WithNgram
+from specdraft.drafters.hybrid import HybridOptions, load_hybrid
+from specdraft.drafters.ngram import NgramDrafter
+from specdraft.drafters.phrase import PhraseOptions, load_phrase
+from specdraft.errors import SpecdraftError
+from specdraft.nn.checkpoint import checkpoint_kind, load_draft_model
+
+WEIGHTS_DIR = Path(__file__).resolve().parents[1] / "weights"  # shipped weights for the default target
+DATA_HINT = "--data data/smollm2 --features data/smollm2_feat"  # the folders the shipped weights were trained on
+
+
+@dataclass
+class NoOptions:
+    """A drafter without options (``NAME@budget=N`` still sets its budget)."""
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    name: str  # what --drafter takes
+    summary: str  # one line for --help, `specdraft drafters` and the README's table
+    options: type  # dataclass of the NAME@key=value options; validates itself in __post_init__
+    build: Callable  # (target, DraftCheckpoint | None, options, name | None) -> Drafter
+    fallback_budget: int  # drafted nodes per tree on a machine without a cost curve
+    kind: str = ""  # checkpoint kind it loads (phrase / hybrid / block); "" = no weights
+    weights: str = ""  # file in specdraft/weights shipped for the default target
+    train: str = ""  # the command that trains the shipped weights (told when the file is missing)
+    gpu_budget: int | None = None  # fallback on a GPU where it differs (a pass there costs about one token)
+    lookup: bool = False  # its ``ngram=N`` option gives N tree nodes to prompt lookup (``WithNgram``)
+
+
+def _hybrid(name: str, summary: str, args: str) -> DrafterSpec:
+    return DrafterSpec(name, summary, HybridOptions, load_hybrid, 3, kind="hybrid",
+                       weights=f"{name}_smollm2_135m.safetensors",
+                       train=f"specdraft train hybrid {args} {DATA_HINT} --out {{path}}", lookup=True)
+
+
+def _block(name: str, summary: str, modes: int) -> DrafterSpec:
+    # without a measured cost curve: 4 nodes on a CPU (a pass grows with its tokens there; the best
+    # budget measured on a 2-core CPU), 12 on a GPU (where 13 tokens cost about one)
+    return DrafterSpec(name, summary, BlockOptions, load_block, 4, kind="block", gpu_budget=12,
+                       weights=f"{name}_smollm2_135m.safetensors", lookup=True,
+                       train=f"specdraft train block --modes {modes} {DATA_HINT} --out {{path}}")
+
+
+REGISTRY: dict[str, DrafterSpec] = {s.name: s for s in (
+    DrafterSpec("none", "plain decoding: every pass verifies the root alone", NoOptions,
+                lambda target, ckpt, opts, name: NoDrafter(), 0),
+    DrafterSpec("ngram", "prompt lookup as a tree (training-free): continuations of earlier n-gram matches", NoOptions,
+                lambda target, ckpt, opts, name: NgramDrafter(), 2),
+    DrafterSpec("phrase", "MLP head over a vocabulary of 1-3 word phrases, expanded into one prefix tree with "
+                "prompt lookup", PhraseOptions, load_phrase, 6, kind="phrase", weights="phrase_smollm2_135m.safetensors",
+                train="specdraft train phrase --data data/smollm2 --out {path}"),
+    _hybrid("gumiho", "Gumiho: serial Transformer steps for early tokens, parallel MLP heads for later ones",
+            "--serial 2 --parallel 5 --serial-layers 2 --head-blocks 5 --head-grad 0 --distill 1.0 --feature-loss 1.0 "
+            "--layers 3,15,27,-1"),
+    _hybrid("medusa", "Medusa: parallel MLP heads on the target's features", "--serial 0 --parallel 7 --distill 1.0 "
+            "--layers 3,15,27,-1"),
+    _hybrid("eagle", "EAGLE-style: a serial decoder layer on fused target features, run step by step",
+            "--serial 7 --parallel 0 --distill 1.0 --layers 3,15,27,-1"),
+    _block("block", "DFlash block drafter: one pass drafts a block of 7 positions, DDTree product tree", 1),
+    _block("mfd", "Multi-Future Drafting: K=4 mode embeddings draft 4 blocks in one pass, mixture tree", 4),
+)}
+BY_KIND = {"phrase": REGISTRY["phrase"], "hybrid": REGISTRY["gumiho"], "block": REGISTRY["block"]}  # for checkpoint paths
+DRAFTERS = tuple(REGISTRY)
+
+
+def weights_path(name: str) -> Path:
+    """The shipped weights file of registered drafter ``name``."""
+    return WEIGHTS_DIR / REGISTRY[name].weights
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """``NAME[@key=value,...]`` -> (NAME, options); e.g. ``phrase@ngram=0,top_n=4``."""
+    name, _, rest = spec.partition("@")
+    opts = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise SpecdraftError(f"drafter option {item!r} in {spec!r} is not key=value")
+        opts[key.strip()] = value.strip()
+    return name, opts
+
+
+def parse_options(name: str, cls: type, raw: dict[str, str]):
+    """``raw`` key=value strings -> an instance of the options dataclass ``cls`` (its field types
+    say how each value is read; its ``__post_init__`` checks ranges)."""
+    known = {f.name: f for f in fields(cls)}
+    bad = sorted(set(raw) - set(known))
+    if bad:
+        raise SpecdraftError(f"drafter {name!r} has no option {bad[0]!r}"
+                             + (f" (options: {', '.join(sorted(known))})" if known else ""))
+    values: dict = {}
+    for key, text in raw.items():
+        kind = str(known[key].type)
+        if kind == "bool":
+            values[key] = text.lower() not in ("0", "false", "no")
+        elif kind == "int":
+            try:
+                values[key] = int(text)
+            except ValueError:
+                raise SpecdraftError(f"{name} option {key} must be an integer (got {text!r})") from None
+        else:
+            values[key] = text
+    try:
+        return cls(**values)
+    except SpecdraftError as e:
+        raise SpecdraftError(f"{name} {e}") from None
+
+
+def option_defaults(cls: type) -> str:
+    """``key=default, ...`` of an options dataclass as a user writes them (booleans 0/1, "" = auto)."""
+    def shown(v) -> str:
+        return str(int(v)) if isinstance(v, bool) else "auto" if v == "" else str(v)
+
+    return ", ".join(f"{f.name}={shown(f.default)}" for f in fields(cls) if f.default is not MISSING) or "-"
+
+
+def make_drafter(spec: str, target=None, budget: int | None = None) -> Drafter:
+    """Build the drafter ``spec`` (``NAME[@key=value,...]``, NAME registered or a checkpoint path) for
+    ``target``; ``budget``: drafted nodes per tree (None = the budget policy's choice)."""
+    name, raw = parse_spec(spec)
+    if "budget" in raw:  # NAME@budget=N: this drafter's node budget (any drafter)
+        value = raw.pop("budget")
+        if not value.isdigit():
+            raise SpecdraftError(f"drafter option budget must be an integer >= 0 (got {value!r})")
+        budget = int(value)
+    path, shown = None, name
+    if name.endswith(".safetensors") or "/" in name:
+        path = Path(name)
+        if not path.is_file():
+            raise SpecdraftError(f"drafter checkpoint {path} not found")
+        kind = checkpoint_kind(path)
+        if kind not in BY_KIND:
+            raise SpecdraftError(f"{path} holds a drafter of unknown kind {kind!r}")
+        entry, shown = BY_KIND[kind], kind
+    elif name in REGISTRY:
+        entry = REGISTRY[name]
+    else:
+        raise SpecdraftError(f"unknown drafter {name!r} (available: {', '.join(DRAFTERS)}, or a checkpoint path)")
+    options = parse_options(shown, entry.options, raw)
+    ckpt = None
+    if entry.kind:
+        if target is None:
+            raise SpecdraftError(f"the {shown} drafter needs the target (its features, embeddings and LM head)")
+        if path is None:
+            path = weights_path(name)
+            if not path.is_file():
+                raise SpecdraftError(f"the {name} drafter's weights ({path}) are not in this install yet; train them "
+                                     f"with `{entry.train.format(path=path)}` or pass a checkpoint path as --drafter")
+        ckpt = load_draft_model(target, path, entry.kind)
+    drafter = entry.build(target, ckpt, options, name if name in REGISTRY else None)  # a checkpoint names itself
+    if entry.lookup and options.ngram > 0:
+        drafter = WithNgram(drafter, options.ngram)
+    if budget is None and target is not None:
+        fallback = entry.gpu_budget if entry.gpu_budget is not None and target.device.type != "cpu" else entry.fallback_budget
+        profiled = ckpt is not None and getattr(options, "profiled", True)
+        budget = default_budget(target, fallback, ckpt.manifest if profiled else None)
+    if budget is not None:
+        drafter.default_budget = budget
+    return drafter
+
+
+def drafters_table() -> str:
+    """The registry as a Markdown table (``specdraft drafters --markdown``; the README's table)."""
+    rows = ["| drafter | what it drafts with | options (`NAME@key=value`) | shipped weights |", "|---|---|---|---|"]
+    for s in REGISTRY.values():
+        shipped = f"`{s.weights}`" if s.weights else "none needed"
+        rows.append(f"| `{s.name}` | {s.summary} | {option_defaults(s.options)} | {shipped} |")
+    return "\n".join(rows)

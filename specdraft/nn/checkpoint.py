@@ -1,0 +1,118 @@
+"""Drafter checkpoints: safetensors weights plus a JSON manifest in the file's metadata.
+
+The manifest records the drafter's kind, its config and the target it was trained for (name +
+weight hash); ``load_draft_model`` refuses a checkpoint made for another target, a corrupt file,
+one of another kind or one that does not fit the target, each with a clear error.  Only
+safetensors is read, never pickles.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from specdraft.errors import SpecdraftError
+from specdraft.nn.block import BlockConfig, BlockModel
+from specdraft.nn.hybrid import HybridConfig, HybridModel
+from specdraft.nn.phrase import PhraseHead, PhraseHeadConfig, PhraseVocab
+
+MANIFEST_KEY = "specdraft_manifest"
+MODELS = {"hybrid": (HybridConfig, HybridModel), "block": (BlockConfig, BlockModel)}  # kind -> (config, network)
+
+
+def save_checkpoint(path: str | Path, tensors: dict[str, torch.Tensor], manifest: dict) -> None:
+    """Write atomically (temp file + rename) so an interrupted save never leaves a torn file."""
+    for key in ("kind", "target_name", "target_hash"):
+        if key not in manifest:
+            raise ValueError(f"checkpoint manifest needs {key!r}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    flat = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    save_file(flat, str(tmp), metadata={MANIFEST_KEY: json.dumps(manifest)})
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: str | Path, target_hash: str | None = None, kind: str | None = None):
+    """Returns (tensors, manifest).  Raises SpecdraftError for a missing, corrupt or mismatched file."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecdraftError(f"checkpoint {path} not found")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors raises several internal error types for bad files
+        raise SpecdraftError(f"checkpoint {path} is corrupt or not a safetensors file ({e})") from None
+    if MANIFEST_KEY not in meta:
+        raise SpecdraftError(f"checkpoint {path} has no specdraft manifest")
+    try:
+        manifest = json.loads(meta[MANIFEST_KEY])
+    except json.JSONDecodeError:
+        raise SpecdraftError(f"checkpoint {path} has a corrupt manifest") from None
+    if kind is not None and manifest.get("kind") != kind:
+        raise SpecdraftError(f"checkpoint {path} is a {manifest.get('kind')!r} drafter, not {kind!r}")
+    if target_hash is not None and manifest.get("target_hash") != target_hash:
+        raise SpecdraftError(
+            f"checkpoint {path} was trained for target {manifest.get('target_name')!r} "
+            f"(weights {str(manifest.get('target_hash'))[:12]}), not the loaded target "
+            f"(weights {target_hash[:12]}); train a drafter for this target"
+        )
+    return tensors, manifest
+
+
+def check_fits(cfg, target, path: str | Path) -> None:
+    """Raise SpecdraftError unless a drafter config (``hidden_size``, ``vocab_size``,
+    ``feature_layers``) fits ``target``: the checks every target-reading drafter shares."""
+    tcfg = target.config
+    if cfg.hidden_size != tcfg.hidden_size or cfg.vocab_size != tcfg.vocab_size:
+        raise SpecdraftError(f"checkpoint {path} does not fit the target (hidden size {cfg.hidden_size}, "
+                             f"vocabulary {cfg.vocab_size})")
+    tcfg.check_layers(cfg.feature_layers, f"checkpoint {path} reads target layer")
+
+
+def checkpoint_kind(path: str | Path) -> str:
+    """The drafter kind a checkpoint's manifest states ("phrase", "hybrid", "block")."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return json.loads((f.metadata() or {})[MANIFEST_KEY])["kind"]
+    except Exception:  # safetensors' own error types, a missing key, bad JSON: all the same to the user
+        raise SpecdraftError(f"{path} is not a specdraft drafter checkpoint (corrupt or missing manifest)") from None
+
+
+@dataclass
+class DraftCheckpoint:
+    model: nn.Module  # the network, on the target's device (hybrid/block: in the target's dtype; phrase: fp32)
+    manifest: dict  # the checkpoint's manifest (config, training record, budget profile)
+    vocab: PhraseVocab | None = None  # phrase only: the draft vocabulary the head scores
+
+
+def load_draft_model(target, path: str | Path, kind: str) -> DraftCheckpoint:
+    """The trained drafter network of ``kind`` in checkpoint ``path``, built for ``target`` (its
+    frozen embeddings and LM-head rows shared), with the target-fit checks."""
+    tensors, manifest = load_checkpoint(path, target_hash=target.weight_hash, kind=kind)
+    tm = target.model
+    try:
+        if kind == "phrase":
+            hcfg = PhraseHeadConfig(**manifest["head"])
+            vocab = PhraseVocab.from_json(manifest["vocab"])
+            head = PhraseHead(hcfg)
+            head.load_state_dict({k: v.float() for k, v in tensors.items()})
+            if hcfg.hidden_size != target.config.hidden_size or len(vocab) != hcfg.vocab_size:
+                raise SpecdraftError(f"checkpoint {path} does not fit the target (hidden size {hcfg.hidden_size})")
+            return DraftCheckpoint(head.to(target.device), manifest, vocab)
+        config_cls, model_cls = MODELS[kind]
+        cfg = config_cls.from_json(manifest["config"])
+        check_fits(cfg, target, path)
+        model = model_cls(cfg, tm.embed.weight, tm.lm_head.weight, tensors["vocab_ids"].to(tm.embed.weight.device))
+        model.load_state_dict(tensors)
+    except (KeyError, TypeError, RuntimeError, IndexError) as e:
+        raise SpecdraftError(f"checkpoint {path} does not hold a valid {kind} drafter ({e})") from None
+    return DraftCheckpoint(model.to(device=target.device, dtype=tm.embed.weight.dtype), manifest)

@@ -1,0 +1,97 @@
+"""The hybrid drafter's network (Gumiho, ICML 2025): serial Transformer steps for the first draft
+tokens, parallel MLP heads for the later ones; Medusa (S = 0) and EAGLE-style (M = 0) are
+configurations of the same module.
+
+Serial part (S steps, EAGLE-style): decoder layers over u_i = fc([e(x_{i+1}) ; g(f_i)]), where f_i is
+the target's feature at position i and g = identity for one feature layer or a linear fusion of
+several RMS-normalised ones (EAGLE-3).  Parallel part (M heads): head j reads [h^1 .. h^S ; e(x^_S)]
+(S = 0: [g(f_{n-1}) ; e(x_n)]) and scores depth S+1+j: SiLU(Linear) then zero-initialised residual
+blocks, then the frozen LM-head rows.  How the drafter runs it: ``specdraft.drafters.hybrid``;
+training: ``specdraft.train.hybrid``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from specdraft.errors import SpecdraftError
+from specdraft.model.llama import RMSNorm
+from specdraft.nn.layers import DraftLayer, DraftModel, MLPHead, TargetShape
+
+
+@dataclass
+class HybridConfig(TargetShape):
+    """A hybrid drafter's shape: the target-shaped part (``TargetShape``) and its own."""
+
+    serial: int = 2  # S: draft positions produced by the serial (EAGLE-style) part
+    parallel: int = 5  # M: MLP heads, head j drafts position S+1+j
+    serial_layers: int = 1  # decoder layers of the serial part
+    head_blocks: int = 1  # zero-initialised residual blocks per MLP head (Gumiho: 5)
+    feature_layers: tuple[int, ...] = (-1,)  # target features read (-1 = final normed state)
+    draft_vocab: int = 8192  # LM-head rows drafted from (the most frequent tokens; 0 = all)
+
+    def __post_init__(self) -> None:
+        self.feature_layers = tuple(int(x) for x in self.feature_layers)
+        if self.serial < 0 or self.parallel < 0 or self.serial + self.parallel < 1:
+            raise SpecdraftError(f"a hybrid drafter needs serial >= 0, parallel >= 0 and serial + parallel >= 1 "
+                                 f"(got {self.serial}, {self.parallel})")
+        if self.serial_layers < 1 or self.head_blocks < 0 or not self.feature_layers:
+            raise SpecdraftError("serial layers must be >= 1, head blocks >= 0, and at least one feature layer")
+
+    @property
+    def depth(self) -> int:
+        return self.serial + self.parallel
+
+    @property
+    def kind(self) -> str:
+        """The paper this configuration reproduces."""
+        return "medusa" if self.serial == 0 else "eagle" if self.parallel == 0 else "gumiho"
+
+
+class HybridModel(DraftModel):
+    """The trainable hybrid drafter (frozen embeddings and LM-head rows: ``DraftModel``)."""
+
+    def __init__(self, cfg: HybridConfig, embed: Tensor, lm_head: Tensor, vocab_ids: Tensor) -> None:
+        super().__init__(cfg, embed, lm_head, vocab_ids)
+        h = cfg.hidden_size
+        n_feat = len(cfg.feature_layers)
+        # several target layers (EAGLE-3 style): each is RMS-normalised before the fusing
+        # projection, as the target's own next layer would read it; the raw residual stream of
+        # middle layers carries massive activations (SmolLM2-135M layers 15, 27: |x| up to 2.5e4,
+        # RMS ~65 vs 1.9 for the final state) that would otherwise swamp the projection
+        self.feat_norms = nn.ModuleList(RMSNorm(h, cfg.rms_eps) for _ in range(n_feat)) if n_feat > 1 else None
+        self.fuse = nn.Linear(n_feat * h, h, bias=False) if n_feat > 1 else None
+        if cfg.serial > 0:
+            self.fc = nn.Linear(2 * h, h)
+            self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.serial_layers))
+        self.heads = nn.ModuleList(MLPHead((max(cfg.serial, 1) + 1) * h, h, cfg.head_blocks)
+                                   for _ in range(cfg.parallel))
+
+    def feature(self, f: Tensor) -> Tensor:
+        """[..., n_layers * H] target features -> [..., H]."""
+        if self.fuse is None:
+            return f
+        parts = f.split(self.cfg.hidden_size, -1)
+        return self.fuse(torch.cat([norm(x) for norm, x in zip(self.feat_norms, parts)], -1))
+
+    def serial(self, state: Tensor, tokens: Tensor, positions: Tensor, mask: Tensor | None,
+               past: list[tuple[Tensor, Tensor]] | None = None) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+        """One serial step over T rows: state [B, T, H] (g(f) or the previous step's output),
+        tokens [B, T] (the token each row reads), positions [B, T].  Returns (out [B, T, H], the
+        new (k, v) of every layer)."""
+        rot = self.rotation(positions)
+        x = self.fc(torch.cat([self.embed[tokens], state], -1))
+        new = []
+        for i, layer in enumerate(self.layers):
+            pk, pv = past[i] if past is not None else (None, None)
+            x, k, v = layer(x, rot, mask, pk, pv)
+            new.append((k, v))
+        return x, new
+
+    def head_states(self, x: Tensor, n: int | None = None) -> Tensor:
+        """[R, (max(S,1)+1) H] -> [R, n, H] outputs of the first ``n`` MLP heads."""
+        heads = self.heads if n is None else self.heads[:n]
+        return torch.stack([hd(x) for hd in heads], 1)

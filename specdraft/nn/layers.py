@@ -1,0 +1,170 @@
+"""Drafter network parts shared by the trained drafters: a target-shaped decoder layer, the MLP
+head, the frozen LM-head rows of a draft vocabulary, the shape copied from the target, and a
+drafter's own K/V cache of committed positions.
+
+RoPE is the target's (``model.llama.rope_rotation`` / ``apply_rope``), with its angles in fp32
+whatever the drafter's dtype (a bfloat16 angle would shift every position).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specdraft.model.llama import RMSNorm, apply_rope, rope_inv_freq, rope_rotation
+from specdraft.model.packed import prepack_model
+
+
+@dataclass
+class TargetShape:
+    """The part of a drafter's config copied from its target: layers shaped like the target's."""
+
+    hidden_size: int  # target width H
+    vocab_size: int  # target vocabulary
+    num_heads: int  # query heads of a drafter layer
+    num_kv_heads: int  # key/value heads of a drafter layer
+    head_dim: int  # per-head width D
+    intermediate_size: int  # SwiGLU width of a drafter layer
+    rms_eps: float = 1e-5  # RMSNorm epsilon
+    rope_theta: float = 10000.0  # RoPE base
+
+    @classmethod
+    def for_target(cls, tcfg, **kw):
+        """This config with the shape of the target's decoder blocks (``tcfg``: a ``ModelConfig``)."""
+        return cls(hidden_size=tcfg.hidden_size, vocab_size=tcfg.vocab_size, num_heads=tcfg.num_heads,
+                   num_kv_heads=tcfg.num_kv_heads, head_dim=tcfg.head_dim, intermediate_size=tcfg.intermediate_size,
+                   rms_eps=tcfg.rms_eps, rope_theta=tcfg.rope_theta, **kw)
+
+    @classmethod
+    def from_json(cls, d: dict):
+        """From a checkpoint manifest's ``config`` (keys this version does not know are ignored)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+class DraftLayer(nn.Module):
+    """One decoder layer (pre-norm attention + SwiGLU), returning its new keys/values so the
+    caller decides where they live: a cache at inference, plain tensors in training."""
+
+    def __init__(self, cfg: TargetShape) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.hq, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, d
+        self.attn_norm = RMSNorm(h, cfg.rms_eps)
+        self.wqkv = nn.Linear(h, (self.hq + 2 * self.hkv) * d, bias=False)
+        self.wo = nn.Linear(self.hq * d, h, bias=False)
+        self.mlp_norm = RMSNorm(h, cfg.rms_eps)
+        self.w_gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
+        self.w_down = nn.Linear(cfg.intermediate_size, h, bias=False)
+
+    def forward(self, x: Tensor, rot: Tensor, mask: Tensor | None, past_k: Tensor | None = None,
+                past_v: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        # x: [B, T, H]; rot: complex [B, T, 1, D/2]; mask: bool [B, 1, T, P+T] (True = may attend) or
+        # None (all visible); past_k/v: [B, Hkv, P, D].  Returns (y [B, T, H], k, v [B, Hkv, T, D]).
+        b, t, _ = x.shape
+        qkv = self.wqkv(self.attn_norm(x)).unflatten(-1, (self.hq + 2 * self.hkv, self.d))  # [B, T, heads, D]
+        qk = apply_rope(qkv[:, :, : self.hq + self.hkv], rot).transpose(1, 2)  # [B, Hq + Hkv, T, D]
+        q, k = qk[:, : self.hq], qk[:, self.hq :]
+        v = qkv[:, :, self.hq + self.hkv :].transpose(1, 2)  # [B, Hkv, T, D]
+        keys = k if past_k is None else torch.cat([past_k, k], 2)
+        values = v if past_v is None else torch.cat([past_v, v], 2)
+        # grouped-query attention without expanding K/V: the G query heads sharing a KV head become
+        # G*T query rows of that head ([B, Hq, T, D] -> [B, Hkv, G*T, D]), mask rows likewise
+        g = self.hq // self.hkv
+        if mask is not None and g > 1:
+            mask = mask.repeat(1, 1, g, 1)
+        att = F.scaled_dot_product_attention(q.reshape(b, self.hkv, g * t, self.d), keys, values, attn_mask=mask)
+        x = x + self.wo(att.reshape(b, self.hq, t, self.d).transpose(1, 2).reshape(b, t, self.hq * self.d))
+        gate, up = self.w_gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.w_down(F.silu(gate) * up), k, v
+
+
+class MLPHead(nn.Module):
+    """SiLU(Linear(d_in -> H)), then ``blocks`` residual blocks x + SiLU(Linear(x)), zero-initialised
+    (identity at the start of training)."""
+
+    def __init__(self, d_in: int, h: int, blocks: int) -> None:
+        super().__init__()
+        self.inp = nn.Linear(d_in, h)
+        self.blocks = nn.ModuleList(nn.Linear(h, h) for _ in range(blocks))
+        for blk in self.blocks:
+            nn.init.zeros_(blk.weight)
+            nn.init.zeros_(blk.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = F.silu(self.inp(x))
+        for blk in self.blocks:
+            x = x + F.silu(blk(x))
+        return x
+
+
+class DraftModel(nn.Module):
+    """Base of the trainable drafter networks.  The target's embeddings and the rows of its LM head
+    for a draft vocabulary are frozen, non-persistent buffers (shared, never saved); only
+    ``vocab_ids`` [V'] (target ids of the draft vocabulary) is stored with the weights.  Scoring
+    over V' rows instead of the whole vocabulary is EAGLE-3's reduced draft vocabulary: a step
+    costs a fraction of a full LM head on a CPU."""
+
+    def __init__(self, cfg: TargetShape, embed: Tensor, lm_head: Tensor, vocab_ids: Tensor) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.register_buffer("vocab_ids", vocab_ids.long().clone())
+        self.register_buffer("embed", embed.detach(), persistent=False)  # [V, H]
+        self.register_buffer("head_w", lm_head.detach()[self.vocab_ids].contiguous(), persistent=False)  # [V', H]
+        self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta)  # fp32, not a buffer: .to(dtype) keeps it
+        self._head = None  # PackedWeight of head_w once prepack() ran
+
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def rotation(self, positions: Tensor) -> Tensor:
+        """positions [B, T] -> e^{i pos theta}, complex [B, T, 1, D/2]."""
+        return rope_rotation(positions, self.inv_freq.to(positions.device))
+
+    def prepack(self) -> bool:
+        """Inference on a bfloat16 CPU: let oneDNN reorder every weight once (``model.packed``)
+        instead of on every call.  Returns whether it did."""
+        self._head = prepack_model(self, self.head_w)
+        return self._head is not None
+
+    def logits(self, h: Tensor) -> Tensor:
+        """[..., H] -> [..., V'] scores over the draft vocabulary (frozen LM-head rows)."""
+        h2 = h.reshape(-1, h.shape[-1])  # one matmul, not a batched one
+        return (F.linear(h2, self.head_w) if self._head is None else self._head(h2)).view(*h.shape[:-1], -1)
+
+
+class DraftCache:
+    """A drafter's own K/V of committed positions, per layer [1, Hkv, capacity, D]; grows by
+    doubling, keeping the first ``n`` slots."""
+
+    def __init__(self, layers: int, num_kv_heads: int, head_dim: int) -> None:
+        self.shape = (layers, num_kv_heads, head_dim)
+        self.kv: list[tuple[Tensor, Tensor]] = []  # per layer (k, v)
+
+    def reserve(self, slots: int, n: int, like: Tensor) -> None:
+        """Room for ``slots`` positions, the first ``n`` kept (dtype and device of ``like``)."""
+        if self.kv and self.kv[0][0].shape[2] >= slots:
+            return
+        layers, hkv, d = self.shape
+        cap = max(slots, 2 * (self.kv[0][0].shape[2] if self.kv else 256))
+        grown = []
+        for i in range(layers):
+            k, v = (torch.zeros((1, hkv, cap, d), dtype=like.dtype, device=like.device) for _ in range(2))
+            if self.kv:
+                k[:, :, :n] = self.kv[i][0][:, :, :n]
+                v[:, :, :n] = self.kv[i][1][:, :, :n]
+            grown.append((k, v))
+        self.kv = grown
+
+    def write(self, new: list[tuple[Tensor, Tensor]], n: int) -> None:
+        """Store every layer's new (k, v) [1, Hkv, T, D] at slots n .. n+T-1."""
+        for (ck, cv), (k, v) in zip(self.kv, new):
+            ck[:, :, n : n + k.shape[2]] = k
+            cv[:, :, n : n + v.shape[2]] = v
+
+    def past(self, n: int) -> list[tuple[Tensor, Tensor]]:
+        """Every layer's K/V of the first ``n`` slots."""
+        return [(k[:, :, :n], v[:, :, :n]) for k, v in self.kv]

@@ -44,7 +44,7 @@ def humaneval_prompts() -> list[str]:
 
 def gsm_prompts(n: int, seed: int = GSM_EVAL_SEED) -> list[str]:
     try:
-        import reasoning_gym
+        import reasoning_gym  # heavy (its task registry): only when gsm prompts are asked for
     except ImportError:
         raise SpecdraftError("dataset package missing: install it with `pip install reasoning-gym`") from None
     ds = reasoning_gym.create_dataset("gsm_symbolic", seed=seed, size=n)

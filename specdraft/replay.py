@@ -106,8 +106,6 @@ def simulate_dataset(target, drafters: dict, prompts: list[list[int]], outputs: 
     """Tokens per pass (committed tokens / passes, pooled over prompts) per drafter per budget.
     If ``draft_ms`` is a dict, it receives the mean wall time of one ``propose`` (ms) per drafter per budget;
     if ``per_prompt`` is a dict, it receives each prompt's [committed tokens, passes] per drafter per budget."""
-    from tqdm import tqdm
-
     layers = sorted({layer for d in drafters.values() for layer in d.hidden_layers})
     each = {name: {b: [] for b in budgets} for name in drafters}  # per prompt [tokens, passes]
     draft_s = {name: {b: 0.0 for b in budgets} for name in drafters}

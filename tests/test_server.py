@@ -22,8 +22,8 @@ from specdraft.drafters import make_drafter  # noqa: E402
 from specdraft.drafters.base import NoDrafter  # noqa: E402
 from specdraft.drafters.ngram import NgramDrafter  # noqa: E402
 from specdraft.generate import GenerateConfig, generate  # noqa: E402
-from specdraft.server.app import ServerThread, create_app  # noqa: E402
 from specdraft.engine import Engine  # noqa: E402
+from specdraft.server.app import ServerThread, create_app  # noqa: E402
 from specdraft.server.queue import RequestQueue  # noqa: E402
 from specdraft.target import Target  # noqa: E402
 from specdraft.verify import Sampling  # noqa: E402
@@ -46,9 +46,9 @@ def offline(target: Target, ids: list[int], max_tokens: int, drafter=None, **kw)
 
 @pytest.fixture(scope="module")
 def server(tiny_chat_target):
-    engine = RequestQueue(Engine(twin(tiny_chat_target), make_drafter("ngram")), model_id=MODEL, max_queue=4, default_max_tokens=12)
-    with ServerThread(create_app(engine)) as srv:
-        srv.engine = engine
+    queue = RequestQueue(Engine(twin(tiny_chat_target), make_drafter("ngram")), model_id=MODEL, max_queue=4, default_max_tokens=12)
+    with ServerThread(create_app(queue)) as srv:
+        srv.queue = queue
         yield srv
 
 
@@ -64,20 +64,20 @@ class SlowDrafter(NoDrafter):
 
 @pytest.fixture(scope="module")
 def slow_server(tiny_chat_target):
-    engine = RequestQueue(Engine(twin(tiny_chat_target), SlowDrafter()), model_id="slow", max_queue=1, default_max_tokens=200)
-    with ServerThread(create_app(engine)) as srv:
-        srv.engine = engine
+    queue = RequestQueue(Engine(twin(tiny_chat_target), SlowDrafter()), model_id="slow", max_queue=1, default_max_tokens=200)
+    with ServerThread(create_app(queue)) as srv:
+        srv.queue = queue
         yield srv
 
 
-def wait_idle(engine: Engine, timeout: float = 15.0) -> None:
+def wait_idle(queue: RequestQueue, timeout: float = 15.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        q = engine.load()
+        q = queue.load()
         if q["running"] == 0 and q["waiting"] == 0:
             return
         time.sleep(0.05)
-    raise AssertionError(f"the engine is still busy: {engine.load()}")
+    raise AssertionError(f"the queue is still busy: {queue.load()}")
 
 
 def raw_post(srv: ServerThread, path: str, body: bytes, timeout: float = 60) -> tuple[int, bytes]:
@@ -179,11 +179,11 @@ def test_seeded_sampling_equals_offline(server, tiny_chat_target):
 
 
 def test_default_target_chat_and_stream_equal_offline_greedy(default_target):
-    engine = RequestQueue(Engine(twin(default_target), make_drafter("ngram", default_target)), max_queue=2)
+    queue = RequestQueue(Engine(twin(default_target), make_drafter("ngram", default_target)), max_queue=2)
     msgs = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
     ids = default_target.encode_messages(msgs)
     ref = offline(default_target, ids, 24)
-    with ServerThread(create_app(engine)) as srv:
+    with ServerThread(create_app(queue)) as srv:
         c = client(srv)
         r = c.chat.completions.create(model=default_target.name, messages=msgs, max_tokens=24, temperature=0)
         assert r.choices[0].message.content == ref.text and ref.text.strip()
@@ -331,9 +331,9 @@ def test_fuzzed_requests_never_get_500(server, case):
 
 # ---------------------------------------------------------------------- queue and disconnects
 def test_disconnecting_stream_frees_the_server(slow_server):
-    engine = slow_server.engine
-    wait_idle(engine)
-    cancelled = engine.cancelled
+    queue = slow_server.queue
+    wait_idle(queue)
+    cancelled = queue.cancelled
     c = client(slow_server)
     msgs = [{"role": "user", "content": "Write a long story."}]
     t0 = time.monotonic()
@@ -344,32 +344,32 @@ def test_disconnecting_stream_frees_the_server(slow_server):
     r = c.chat.completions.create(model="slow", messages=msgs, max_tokens=3)
     assert r.usage.completion_tokens == 3
     assert time.monotonic() - t0 < 7, "the next request waited for the abandoned generation"
-    assert engine.cancelled == cancelled + 1
+    assert queue.cancelled == cancelled + 1
 
 
 def test_disconnecting_non_streaming_client_stops_its_generation(slow_server):
-    engine = slow_server.engine
-    wait_idle(engine)
-    cancelled = engine.cancelled
+    queue = slow_server.queue
+    wait_idle(queue)
+    cancelled = queue.cancelled
     body = json.dumps({"model": "slow", "prompt": "Once upon a time", "max_tokens": 200}).encode()
     conn = http.client.HTTPConnection("127.0.0.1", slow_server.port, timeout=30)
     conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
     deadline = time.monotonic() + 5
-    while engine.load()["running"] == 0 and time.monotonic() < deadline:
+    while queue.load()["running"] == 0 and time.monotonic() < deadline:
         time.sleep(0.02)
     conn.close()  # ~10 s of generation left, nobody to send it to
-    wait_idle(engine, timeout=5)
-    assert engine.cancelled == cancelled + 1
+    wait_idle(queue, timeout=5)
+    assert queue.cancelled == cancelled + 1
 
 
 def test_full_queue_is_refused_at_once(slow_server):
-    engine = slow_server.engine
-    wait_idle(engine)
+    queue = slow_server.queue
+    wait_idle(queue)
     body = json.dumps({"model": "slow", "messages": [{"role": "user", "content": "Go on."}], "max_tokens": 200,
                        "stream": True}).encode()
     conns = []
     try:
-        for _ in range(engine.capacity):  # one running, max_queue waiting
+        for _ in range(queue.capacity):  # one running, max_queue waiting
             conn = http.client.HTTPConnection("127.0.0.1", slow_server.port, timeout=30)
             conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
             resp = conn.getresponse()
@@ -386,7 +386,7 @@ def test_full_queue_is_refused_at_once(slow_server):
         for conn, resp in conns:
             resp.close()
             conn.close()
-    wait_idle(engine)  # both abandoned generations (running and queued) were dropped
+    wait_idle(queue)  # both abandoned generations (running and queued) were dropped
     r = client(slow_server).chat.completions.create(model="slow", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert r.usage.completion_tokens == 2
 

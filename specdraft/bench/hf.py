@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 
 def build_hf_model(weights, device: str = "cpu"):
     """An HF model holding exactly the weights our target loaded (fp32)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig  # heavy: only for the HF reference
 
     cfg = AutoConfig.for_model(**weights.config.to_hf())
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

@@ -30,25 +30,21 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import matplotlib
-from matplotlib.ticker import FixedLocator, NullFormatter, ScalarFormatter
-
-from specdraft.bench.runner import HF_METHODS, plot_results, row_committed
+from specdraft.bench.runner import HF_METHODS, plot_results, pyplot, row_committed
 from specdraft.bench.stats import paired_comparisons, verdict
 from specdraft.drafters.budget import budget_from_curve
 from specdraft.errors import SpecdraftError
-
-matplotlib.use("Agg")  # files only, never a window
-import matplotlib.pyplot as plt  # noqa: E402 - after the backend is chosen
 
 
 def _save(fig, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
+    pyplot().close(fig)
 
 
 def _log2_axis(ax, values) -> None:
+    from matplotlib.ticker import FixedLocator, NullFormatter, ScalarFormatter  # with pyplot: only when drawing
+
     ax.set_xscale("log", base=2)
     hi = max(values) if values else 1
     ax.xaxis.set_major_locator(FixedLocator([2**i for i in range(int(hi).bit_length() + 1) if 2**i <= 2 * hi]))
@@ -95,7 +91,7 @@ def plot_tokens_per_pass(results: dict, path: Path) -> str | None:
     if not methods:
         return None
     datasets = list(results["datasets"])
-    fig, axes = plt.subplots(1, len(methods), figsize=(4.6 * len(methods), 3.6), squeeze=False)
+    fig, axes = pyplot().subplots(1, len(methods), figsize=(4.6 * len(methods), 3.6), squeeze=False)
     kinds = set()
     for ax, m in zip(axes[0], methods):
         hists = {ds: committed_hist(results["datasets"][ds].get("rows", []), m) for ds in datasets}
@@ -174,7 +170,7 @@ def paired_section(results: dict) -> list[str]:
 def plot_budget_curve(curve: dict, results: dict | None, path: Path) -> int:
     """Cost of an N-token pass relative to one token; returns the budget picked from the curve."""
     budget = budget_from_curve(curve)
-    fig, ax = plt.subplots(figsize=(6, 3.8))
+    fig, ax = pyplot().subplots(figsize=(6, 3.8))
     ax.plot(curve["n"], curve["ratio"], marker=".", label="pass cost / one-token pass")
     ax.axhline(1.5, color="gray", ls="--", lw=0.8, label="1.5x: largest tree ngram's default budget allows")
     ax.axvline(budget + 1, color="tab:red", ls=":", lw=1, label=f"ngram's pick: {budget} drafted nodes (+ root)")
@@ -255,7 +251,7 @@ def plot_budget_sweep(series: dict[str, dict], path: Path) -> bool:
     metrics = [m for m in ("tokens_per_pass", "speedup", "tok_s") if any(s.get(m) for s in series.values())]
     if not metrics:
         return False
-    fig, axes = plt.subplots(1, len(metrics), figsize=(6.5 * len(metrics), 4.8), squeeze=False)
+    fig, axes = pyplot().subplots(1, len(metrics), figsize=(6.5 * len(metrics), 4.8), squeeze=False)
     labels = {"tokens_per_pass": "tokens per pass", "speedup": "speedup vs greedy (offline replay: predicted)", "tok_s": "tok/s"}
     colors = {d: f"C{i % 10}" for i, d in enumerate(series)}  # one colour per drafter, one line style per dataset
     styles: dict[str, str] = {}

@@ -15,8 +15,6 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-import matplotlib
-
 from specdraft.bench.hf import build_hf_model, hf_generate
 from specdraft.datasets import load_prompts
 from specdraft.drafters import make_drafter
@@ -25,9 +23,6 @@ from specdraft.errors import SpecdraftError
 from specdraft.generate import GenerateConfig
 from specdraft.model.load import load_weights
 from specdraft.target import Target
-
-matplotlib.use("Agg")  # files only, never a window
-import matplotlib.pyplot as plt  # noqa: E402 - after the backend is chosen
 
 HF_METHODS = ("hf_generate", "hf_prompt_lookup")
 TIE_GAP = 1e-3  # top-2 logit gap (fp32) below which a divergence counts as a tie
@@ -150,7 +145,18 @@ def summarize(rows: list[dict], methods: list[str]) -> dict:
     return agg
 
 
+def pyplot():
+    """matplotlib's pyplot drawing to files only (heavy: imported when a plot is drawn, not with the CLI)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def plot_results(results: dict, path: Path) -> None:
+    plt = pyplot()
     datasets = list(results["datasets"])
     methods = list(next(iter(results["datasets"].values()))["methods"]) if datasets else []
     fig, ax = plt.subplots(figsize=(3.6 + max(1.6, 0.3 * len(methods)) * len(datasets), 4))
@@ -173,6 +179,7 @@ def plot_results(results: dict, path: Path) -> None:
 
 
 def plot_cost_curve(curve: dict, path: Path) -> None:
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.5))
     ax.plot(curve["n"], curve["ms"], marker=".")
     ax.set_xlabel("tokens in one target pass (N)")

@@ -7,8 +7,10 @@ and stores it per target, device, dtype and thread count (``curve_path``).  A dr
 1. with a budget profile in its checkpoint (``acceptance_by_budget``: held-out tokens per pass per
    budget, from ``specdraft train profile``) and a stored cost curve: the budget maximising tokens
    per pass / (the pass over budget + 1 tokens + the measured drafting time) (``best_budget``);
-2. with a cost curve only: the largest tree costing at most 1.5x a one-token pass (``budget_from_curve``);
-3. with neither: the drafter's own fallback (its registry entry).
+2. with a cost curve but no profile, for a drafter whose registry entry scales with the curve
+   (prompt lookup, the hybrid drafters): the largest tree costing at most 1.5x a one-token pass
+   (``budget_from_curve``);
+3. otherwise: the drafter's own fallback (its registry entry).
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ def best_budget(curve: dict | None, tokens_per_pass: dict, default: int, draft_m
     return max(scored)[1] if scored else default
 
 
-def default_budget(target, fallback: int, manifest: dict | None = None) -> int:
+def default_budget(target, fallback: int, manifest: dict | None = None, scale_with_curve: bool = True) -> int:
     """The policy in the module docstring; ``manifest``: the drafter checkpoint's (None: no profile)."""
     curve = load_cost_curve(target)
     if curve is None:
@@ -86,4 +88,4 @@ def default_budget(target, fallback: int, manifest: dict | None = None) -> int:
     profile = (manifest or {}).get("acceptance_by_budget")
     if profile:
         return best_budget(curve, profile, fallback, (manifest or {}).get("budget_profile", {}).get("draft_ms"))
-    return budget_from_curve(curve, default=fallback)
+    return budget_from_curve(curve, default=fallback) if scale_with_curve else fallback

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
-from typing import Callable
+from typing import Callable, get_type_hints
 
 from specdraft.drafters.base import Drafter, NoDrafter
 from specdraft.drafters.block import BlockOptions, load_block
@@ -42,18 +42,20 @@ class DrafterSpec:
     summary: str  # one line for --help, `specdraft drafters` and the README's table
     options: type  # dataclass of the NAME@key=value options; validates itself in __post_init__
     build: Callable  # (target, DraftCheckpoint | None, options, name | None) -> Drafter
-    fallback_budget: int  # drafted nodes per tree on a machine without a cost curve
+    fallback_budget: int  # drafted nodes per tree without a cost curve (0 = drafts nothing: always 0)
     kind: str = ""  # checkpoint kind it loads (phrase / hybrid / block); "" = no weights
     weights: str = ""  # file in specdraft/weights shipped for the default target
     train: str = ""  # the command that trains the shipped weights (told when the file is missing)
     gpu_budget: int | None = None  # fallback on a GPU where it differs (a pass there costs about one token)
     lookup: bool = False  # its ``ngram=N`` option gives N tree nodes to prompt lookup (``WithNgram``)
+    scale_with_curve: bool = False  # without a budget profile, its budget follows the cost curve (budget policy rule 2)
 
 
 def _hybrid(name: str, summary: str, args: str) -> DrafterSpec:
     return DrafterSpec(name, summary, HybridOptions, load_hybrid, 3, kind="hybrid",
                        weights=f"{name}_smollm2_135m.safetensors",
-                       train=f"specdraft train hybrid {args} {DATA_HINT} --out {{path}}", lookup=True)
+                       train=f"specdraft train hybrid {args} {DATA_HINT} --out {{path}}", lookup=True,
+                       scale_with_curve=True)
 
 
 def _block(name: str, summary: str, modes: int) -> DrafterSpec:
@@ -68,7 +70,7 @@ REGISTRY: dict[str, DrafterSpec] = {s.name: s for s in (
     DrafterSpec("none", "plain decoding: every pass verifies the root alone", NoOptions,
                 lambda target, ckpt, opts, name: NoDrafter(), 0),
     DrafterSpec("ngram", "prompt lookup as a tree (training-free): continuations of earlier n-gram matches", NoOptions,
-                lambda target, ckpt, opts, name: NgramDrafter(), 2),
+                lambda target, ckpt, opts, name: NgramDrafter(), 2, scale_with_curve=True),
     DrafterSpec("phrase", "MLP head over a vocabulary of 1-3 word phrases, expanded into one prefix tree with "
                 "prompt lookup", PhraseOptions, load_phrase, 6, kind="phrase", weights="phrase_smollm2_135m.safetensors",
                 train="specdraft train phrase --data data/smollm2 --out {path}"),
@@ -107,16 +109,17 @@ def parse_options(name: str, cls: type, raw: dict[str, str]):
     """``raw`` key=value strings -> an instance of the options dataclass ``cls`` (its field types
     say how each value is read; its ``__post_init__`` checks ranges)."""
     known = {f.name: f for f in fields(cls)}
+    types = get_type_hints(cls)
     bad = sorted(set(raw) - set(known))
     if bad:
         raise SpecdraftError(f"drafter {name!r} has no option {bad[0]!r}"
                              + (f" (options: {', '.join(sorted(known))})" if known else ""))
     values: dict = {}
     for key, text in raw.items():
-        kind = str(known[key].type)
-        if kind == "bool":
+        kind = types[key]
+        if kind is bool:
             values[key] = text.lower() not in ("0", "false", "no")
-        elif kind == "int":
+        elif kind is int:
             try:
                 values[key] = int(text)
             except ValueError:
@@ -173,10 +176,12 @@ def make_drafter(spec: str, target=None, budget: int | None = None) -> Drafter:
     drafter = entry.build(target, ckpt, options, name if name in REGISTRY else None)  # a checkpoint names itself
     if entry.lookup and options.ngram > 0:
         drafter = WithNgram(drafter, options.ngram)
-    if budget is None and target is not None:
+    if entry.fallback_budget == 0:
+        budget = 0  # a drafter that drafts nothing verifies the root alone
+    elif budget is None and target is not None:
         fallback = entry.gpu_budget if entry.gpu_budget is not None and target.device.type != "cpu" else entry.fallback_budget
         profiled = ckpt is not None and getattr(options, "profiled", True)
-        budget = default_budget(target, fallback, ckpt.manifest if profiled else None)
+        budget = default_budget(target, fallback, ckpt.manifest if profiled else None, entry.scale_with_curve)
     if budget is not None:
         drafter.default_budget = budget
     return drafter

@@ -20,11 +20,15 @@ fp32 path with one warning; ``SPECDRAFT_QUANT=0`` turns it off.
 from __future__ import annotations
 
 import os
+import shutil
+import sys
 import warnings
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
 from torch import Tensor
 
 BLOCK = 32  # weights per block, both formats
@@ -309,10 +313,7 @@ def kernel_available() -> bool:
     ok = False
     if os.environ.get("SPECDRAFT_QUANT", "1") != "0":
         try:
-            import shutil
-            import sys
-
-            from torch.utils.cpp_extension import load_inline
+            from torch.utils.cpp_extension import load_inline  # the build tooling: only to compile, once
 
             if shutil.which("ninja") is None:  # pip puts ninja next to this interpreter (an unactivated venv)
                 os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
@@ -343,9 +344,6 @@ class RawQuant:
         return RawQuant(self.kind, self.cols, np.ascontiguousarray(self.data[index]))
 
     def dequantize(self) -> Tensor:
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
-
         arr = dequantize(self.data, GGMLQuantizationType[self.kind])
         return torch.from_numpy(np.asarray(arr, dtype=np.float32).reshape(self.rows, self.cols).copy())
 

@@ -75,7 +75,7 @@ def check_fits(cfg, target, path: str | Path) -> None:
     if cfg.hidden_size != tcfg.hidden_size or cfg.vocab_size != tcfg.vocab_size:
         raise SpecdraftError(f"checkpoint {path} does not fit the target (hidden size {cfg.hidden_size}, "
                              f"vocabulary {cfg.vocab_size})")
-    tcfg.check_layers(cfg.feature_layers, f"checkpoint {path} reads target layer")
+    tcfg.check_layers(cfg.feature_layers, f"checkpoint {path}: its target layer")
 
 
 def checkpoint_kind(path: str | Path) -> str:

@@ -114,7 +114,7 @@ class DraftModel(nn.Module):
         self.register_buffer("vocab_ids", vocab_ids.long().clone())
         self.register_buffer("embed", embed.detach(), persistent=False)  # [V, H]
         self.register_buffer("head_w", lm_head.detach()[self.vocab_ids].contiguous(), persistent=False)  # [V', H]
-        self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta)  # fp32, not a buffer: .to(dtype) keeps it
+        self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta)  # fp32, not a buffer: .to(dtype) keeps it fp32
         self._head = None  # PackedWeight of head_w once prepack() ran
 
     def n_params(self) -> int:
@@ -122,7 +122,9 @@ class DraftModel(nn.Module):
 
     def rotation(self, positions: Tensor) -> Tensor:
         """positions [B, T] -> e^{i pos theta}, complex [B, T, 1, D/2]."""
-        return rope_rotation(positions, self.inv_freq.to(positions.device))
+        if self.inv_freq.device != positions.device:  # moved once, on first use on a device
+            self.inv_freq = self.inv_freq.to(positions.device)
+        return rope_rotation(positions, self.inv_freq)
 
     def prepack(self) -> bool:
         """Inference on a bfloat16 CPU: let oneDNN reorder every weight once (``model.packed``)

@@ -74,7 +74,7 @@ def is_benchmark(text: str, bench: set[str]) -> bool:
 
 
 def _rg_prompts(task: str, n: int, seed: int) -> list[str]:
-    import reasoning_gym
+    import reasoning_gym  # heavy (its task registry): only when these prompts are collected
 
     if seed == GSM_EVAL_SEED:
         raise SpecdraftError("refusing to build training prompts from the gsm evaluation seed")

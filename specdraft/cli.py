@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -36,6 +37,24 @@ from specdraft.verify import Sampling
 DRAFTER_HELP = f"{', '.join(DRAFTERS)} (options: NAME@key=value; see `specdraft drafters`) or a drafter checkpoint path"
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as every other error: one ``error:`` line and exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")
+
+
+def _finite(text: str) -> float:
+    """A float option: NaN and infinity are refused at parse time (exit code 2)."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(x):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return x
+
+
 def _layers(text: str) -> tuple[int, ...]:
     """``--layers 3,15,27,-1`` -> (3, 15, 27, -1)."""
     try:
@@ -59,7 +78,7 @@ def _add_trainer_args(p, many: bool = False) -> None:
                         + (" (one per --data)" if many else ""))
     p.add_argument("--draft-vocab", type=int, default=8192, help="LM-head rows drafted from (0 = all; default 8192)")
     p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per batch")
-    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--lr", type=_finite, default=6e-4)
     p.add_argument("--shards", type=int, default=0,
                    help="train on the first N data shards only (of each --data folder; default all)")
     p.add_argument("--seed", type=int, default=0)
@@ -74,7 +93,7 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specdraft", description="Lossless tree-verified speculative decoding")
+    parser = _Parser(prog="specdraft", description="Lossless tree-verified speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text; the text streams to stdout, stats to stderr")
@@ -83,8 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_target_args(g)
     g.add_argument("--drafter", default="ngram", help=DRAFTER_HELP + " (default: ngram)")
     g.add_argument("--max-new-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--temperature", type=_finite, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=_finite, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--budget", type=int, default=None, help="drafted nodes per tree (default: the drafter's)")
@@ -142,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--vocab-size", type=int, default=8000, help="draft vocabulary entries (default 8000)")
     tp.add_argument("--epochs", type=int, default=4)
     tp.add_argument("--batch-size", type=int, default=1024)
-    tp.add_argument("--lr", type=float, default=2e-3)
+    tp.add_argument("--lr", type=_finite, default=2e-3)
     tp.add_argument("--seed", type=int, default=0)
     tp.add_argument("--out", required=True, help="checkpoint to write (.safetensors); re-run to resume")
     tp.add_argument("--quiet", action="store_true")
@@ -155,15 +174,15 @@ def build_parser() -> argparse.ArgumentParser:
     th.add_argument("--head-blocks", type=int, default=1, help="residual blocks per MLP head (default 1)")
     th.add_argument("--epochs", type=int, default=4)
     th.add_argument("--anchors", type=int, default=64, help="positions sampled per sequence per epoch (0 = all)")
-    th.add_argument("--feature-loss", type=float, default=0.0,
+    th.add_argument("--feature-loss", type=_finite, default=0.0,
                     help="weight of feature regression (SmoothL1) for the serial states (default 0: cross-entropy only)")
     th.add_argument("--serial-unroll", type=int, default=0,
                     help="serial steps unrolled in training (>= --serial; default 0 = --serial): steps past --serial "
                          "add a loss that trains the serial part only (the drafter still runs --serial steps)")
-    th.add_argument("--head-grad", type=float, default=1.0,
+    th.add_argument("--head-grad", type=_finite, default=1.0,
                     help="share of the MLP heads' loss gradient reaching the serial states they read, in [0, 1] "
                          "(default 1; 0 = detached: the serial part trains on its own depths only)")
-    th.add_argument("--distill", type=float, default=0.0,
+    th.add_argument("--distill", type=_finite, default=0.0,
                     help="share of each depth's cross-entropy taken against the target's own next-token distribution "
                          "instead of the label, in [0, 1] (default 0; needs the final layer in the feature cache)")
     th.add_argument("--init", default="",
@@ -180,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     tb.add_argument("--steps", type=int, default=0,
                     help="optimizer steps in all, overriding --epochs (give K=1 and K>1 runs the same steps)")
     tb.add_argument("--anchors", type=int, default=12, help="blocks per sequence and step (0 = every position; default 12)")
-    tb.add_argument("--gamma", type=float, default=4.0, help="depth j weighs exp(-(j-1)/gamma) in the loss (default 4)")
+    tb.add_argument("--gamma", type=_finite, default=4.0, help="depth j weighs exp(-(j-1)/gamma) in the loss (default 4)")
     tb.add_argument("--no-gate", action="store_true",
                     help="K > 1: train no mode gate (the mixture tree then weighs the modes equally)")
     _add_trainer_args(tb)
@@ -204,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--model-name", default=None, help="model id clients send (default: the target's name)")
     sv.add_argument("--max-queue", type=int, default=8, help="requests waiting behind the running one; more get 429")
     sv.add_argument("--max-tokens", type=int, default=512, help="max_tokens when a request gives none")
-    sv.add_argument("--temperature", type=float, default=0.0, help="temperature when a request gives none (0 = greedy)")
+    sv.add_argument("--temperature", type=_finite, default=0.0, help="temperature when a request gives none (0 = greedy)")
     sv.add_argument("--quiet", action="store_true", help="no access log")
 
     c = sub.add_parser("chat", help="interactive terminal chat (streams replies, live tok/s and tokens per pass)")
@@ -212,8 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--drafter", default="ngram", help=DRAFTER_HELP + " (default: ngram)")
     c.add_argument("--budget", type=int, default=None)
     c.add_argument("--max-new-tokens", type=int, default=512)
-    c.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    c.add_argument("--top-p", type=float, default=1.0)
+    c.add_argument("--temperature", type=_finite, default=0.0, help="0 = greedy (default)")
+    c.add_argument("--top-p", type=_finite, default=1.0)
     c.add_argument("--top-k", type=int, default=0)
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--system", default=None, help="system prompt")
@@ -260,9 +279,11 @@ def _read_prompt(args) -> str:
         raise SpecdraftError("give the prompt as an argument or with --file, not both")
     if args.file:
         try:
-            return sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
+            return sys.stdin.read() if args.file == "-" else Path(args.file).read_text(encoding="utf-8")
         except OSError as e:
             raise SpecdraftError(f"cannot read {args.file}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise SpecdraftError(f"{args.file} is not UTF-8 text") from None
     if args.prompt is None:
         raise SpecdraftError("no prompt: pass it as an argument or with --file")
     return args.prompt
@@ -527,7 +548,10 @@ def cmd_analyze(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2, already printed)
+        return int(e.code or 0)
     commands = {"generate": cmd_generate, "drafters": cmd_drafters, "bench": cmd_bench, "data": cmd_data, "serve": cmd_serve,
                 "chat": cmd_chat, "train": cmd_train, "analyze": cmd_analyze}
     try:

@@ -17,7 +17,7 @@ from typing import Callable
 
 from specdraft.drafters import Drafter, NoDrafter, make_drafter
 from specdraft.errors import SpecdraftError
-from specdraft.generate import GenerateConfig, GenerationResult, generate
+from specdraft.generate import GenerateConfig, GenerationResult, check_budget, generate
 from specdraft.target import Target
 
 
@@ -68,7 +68,9 @@ class Engine:
         if budget is not None and budget < 0:
             raise SpecdraftError(f"--budget must be >= 0 (got {budget})")
         t = Target.load(target, device=device, dtype=dtype)
-        return cls(t, make_drafter(drafter, t, budget=budget))
+        engine = cls(t, make_drafter(drafter, t, budget=budget))
+        check_budget(engine.drafter.default_budget, t)  # a bad NAME@budget=N or --budget fails here, not per request
+        return engine
 
     def generate(self, prompt_ids: list[int], config: GenerateConfig | None = None,
                  on_text: Callable[[str], None] | None = None, cancel: threading.Event | None = None,

@@ -1,9 +1,13 @@
 """One exception type for every user-facing error.
 
-The CLI prints ``error: <message>`` and exits non-zero for it; anything else is a bug and
+The CLI prints ``error: <message>`` and exits with code 2 for it; anything else is a bug and
 keeps its traceback.
 """
 
 
 class SpecdraftError(Exception):
-    """A problem with the user's input or environment, explained in one line."""
+    """A problem with the user's input or environment, explained in one line: text embedded from
+    another library's error (often several lines) is folded onto it."""
+
+    def __str__(self) -> str:
+        return " ".join(super().__str__().split())

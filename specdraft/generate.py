@@ -56,6 +56,15 @@ class GenerationResult:
     stats: GenerationStats
 
 
+def check_budget(budget: int, target: Target) -> None:
+    """A node budget must be >= 0 and fit the target's context (a tree's nodes take cache slots and
+    logit rows; a budget past the context would only allocate memory no sequence can use)."""
+    if budget < 0:
+        raise SpecdraftError(f"budget must be >= 0 (got {budget})")
+    if budget >= target.config.max_position:
+        raise SpecdraftError(f"budget {budget} does not fit the target's context of {target.config.max_position} tokens")
+
+
 def _first_stop(text: str, stops: list[str]) -> int:
     hits = [i for i in (text.find(s) for s in stops) if i >= 0]
     return min(hits) if hits else -1
@@ -76,8 +85,7 @@ def generate(
     if cfg.max_new_tokens < 1:
         raise SpecdraftError(f"max new tokens must be >= 1 (got {cfg.max_new_tokens})")
     budget = drafter.default_budget if cfg.budget is None else cfg.budget
-    if budget < 0:
-        raise SpecdraftError(f"budget must be >= 0 (got {budget})")
+    check_budget(budget, target)
     ctx = target.config.max_position
     max_new = min(cfg.max_new_tokens, ctx - len(prompt_ids))
     s = cfg.sampling

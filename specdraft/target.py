@@ -22,6 +22,15 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
+def _check_text(text: str, what: str) -> None:
+    """Refuse text that cannot be UTF-8 (lone surrogates: invalid bytes in a command-line argument or
+    an escaped surrogate in JSON), which the tokenizer would fail on."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise SpecdraftError(f"{what} is not valid UTF-8 text (character {e.start})") from None
+
+
 class Target:
     def __init__(self, model: Transformer, tokenizer, name: str, weight_hash: str) -> None:
         self.model = model
@@ -72,6 +81,7 @@ class Target:
         """Token ids of ``prompt``, wrapped in the chat template unless ``raw``."""
         if not prompt or not prompt.strip():
             raise SpecdraftError("the prompt is empty")
+        _check_text(prompt, "the prompt")
         tok = self.tokenizer
         if not raw and getattr(tok, "chat_template", None):
             text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
@@ -87,6 +97,8 @@ class Target:
             raise SpecdraftError("the target has no tokenizer, so it cannot take text")
         if not messages:
             raise SpecdraftError("the conversation is empty")
+        for m in messages:
+            _check_text(m.get("content") or "", f"a {m.get('role', '')} message")
         if getattr(tok, "chat_template", None):
             try:
                 text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -12,6 +12,7 @@ prefix, so the output distribution equals plain sampling for any tree.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -28,8 +29,8 @@ class Sampling:
     top_k: int = 0  # keep the k most likely tokens (0 = off)
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise SpecdraftError(f"temperature must be >= 0 (got {self.temperature})")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise SpecdraftError(f"temperature must be a finite number >= 0 (got {self.temperature})")
         if not 0 < self.top_p <= 1:
             raise SpecdraftError(f"top-p must be in (0, 1] (got {self.top_p})")
         if self.top_k < 0:

@@ -1,12 +1,32 @@
-"""Shared fixtures: tiny random-weight HF models for most tests, the real default target for a few."""
+"""Shared fixtures: tiny random-weight HF models for most tests, the real default target for a few.
+
+No test reads the user's ``~/.cache/specdraft`` (stored cost curves would change drafters' default
+budgets): the whole session uses a fresh cache folder, and any global torch setting a test changes
+is restored after it.
+"""
 
 from __future__ import annotations
+
+import os
+import tempfile
 
 import pytest
 import torch
 
+os.environ["SPECDRAFT_CACHE"] = tempfile.mkdtemp(prefix="specdraft-test-cache-")  # before anything reads it
+
 from specdraft.model.load import LoadedWeights, build_model, load_hf_folder
 from specdraft.target import Target
+
+@pytest.fixture(autouse=True)
+def restore_torch_globals():
+    """Threads, the default dtype and grad mode are as they were after every test."""
+    threads, dtype, grad = torch.get_num_threads(), torch.get_default_dtype(), torch.is_grad_enabled()
+    yield
+    torch.set_num_threads(threads)
+    torch.set_default_dtype(dtype)
+    torch.set_grad_enabled(grad)
+
 
 TINY = {
     "llama": dict(model_type="llama", vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

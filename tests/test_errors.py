@@ -19,7 +19,7 @@ def run_cli(capsys, *argv) -> tuple[int, str, str]:
 
 
 def assert_one_line_error(rc: int, err: str, needle: str) -> None:
-    assert rc != 0
+    assert rc == 2, rc
     lines = [line for line in err.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     assert needle in lines[0]
@@ -146,3 +146,126 @@ def test_incomplete_config_refused(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(SpecdraftError, match="config.json lacks"):
         load_hf_folder(tmp_path)
+
+
+# ---------------------------------------------------------------------- inputs that used to crash
+def test_binary_prompt_file(capsys, tmp_path):
+    f = tmp_path / "p.bin"
+    f.write_bytes(bytes(range(256)))
+    rc, _, err = run_cli(capsys, "generate", "--file", str(f))
+    assert_one_line_error(rc, err, "is not UTF-8 text")
+
+
+def test_prompt_argument_with_invalid_utf8(capsys, default_target):
+    # what Python makes of argv bytes b"caf\xe9 \xff\xfe" (invalid UTF-8): lone surrogates
+    rc, _, err = run_cli(capsys, "generate", b"caf\xe9 \xff\xfe".decode("utf-8", "surrogateescape"))
+    assert_one_line_error(rc, err, "not valid UTF-8")
+    with pytest.raises(SpecdraftError, match="not valid UTF-8"):
+        default_target.encode_messages([{"role": "user", "content": "a \udcff b"}])
+
+
+@pytest.mark.parametrize("budget", ["1000000", "8192"])
+def test_budget_past_the_context(capsys, default_target, budget):
+    rc, _, err = run_cli(capsys, "generate", "hi", "--drafter", "ngram", "--budget", budget)
+    assert_one_line_error(rc, err, "does not fit the target's context of 8192")
+    rc, _, err = run_cli(capsys, "generate", "hi", "--drafter", f"ngram@budget={budget}")
+    assert_one_line_error(rc, err, "does not fit the target's context of 8192")
+
+
+def test_negative_budget(capsys):
+    rc, _, err = run_cli(capsys, "generate", "hi", "--budget", "-1")
+    assert_one_line_error(rc, err, "--budget must be >= 0")
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_non_finite_numbers_refused(capsys, value):
+    for argv in (["generate", "hi", f"--temperature={value}"], ["generate", "hi", f"--top-p={value}"],
+                 ["serve", f"--temperature={value}"], ["train", "phrase", "--data", "d", "--out", "o.safetensors",
+                                                      f"--lr={value}"]):
+        rc, _, err = run_cli(capsys, *argv)
+        assert_one_line_error(rc, err, "finite number")
+    from specdraft.verify import Sampling
+
+    with pytest.raises(SpecdraftError, match="finite"):
+        Sampling(temperature=float(value))
+
+
+def test_serve_refuses_a_budget_past_the_context_before_serving(capsys, default_target):
+    rc, _, err = run_cli(capsys, "serve", "--budget", "1000000", "--port", "0")
+    assert_one_line_error(rc, err, "does not fit the target's context")
+
+
+def test_usage_errors_are_one_line(capsys):
+    rc, _, err = run_cli(capsys, "generate", "hi", "--max-new-tokens", "many")
+    assert_one_line_error(rc, err, "--max-new-tokens")
+    rc, _, err = run_cli(capsys, "nonsense")
+    assert_one_line_error(rc, err, "invalid choice")
+
+
+def test_unsupported_architecture(capsys, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 8, "hidden_size": 4}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    rc, _, err = run_cli(capsys, "generate", "hi", "--target", str(tmp_path))
+    assert_one_line_error(rc, err, "unsupported model_type 'gpt2'")
+
+
+def test_a_gguf_that_is_not_one(capsys, tmp_path):
+    f = tmp_path / "text.gguf"
+    f.write_text("just some text\n" * 20)
+    rc, _, err = run_cli(capsys, "generate", "hello", "--target", str(f))
+    assert_one_line_error(rc, err, "text.gguf")
+
+
+def test_folded_error_text_is_one_line():
+    assert str(SpecdraftError("checkpoint x is corrupt (Error(s) in loading:\n\tsize mismatch\n  for w)")) == \
+        "checkpoint x is corrupt (Error(s) in loading: size mismatch for w)"
+
+
+# ---------------------------------------------------------------------- bad drafter checkpoints via the CLI
+def _bad_checkpoints(root):
+    """Valid safetensors files with bad contents, made from the shipped block drafter."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from specdraft.drafters.registry import weights_path
+    from specdraft.nn.checkpoint import MANIFEST_KEY
+
+    src = weights_path("block")
+    tensors, manifest = load_checkpoint(src)
+    with safe_open(str(src), framework="pt") as f:
+        meta = f.metadata()
+
+    def write(name, t, meta):
+        path = root / f"{name}.safetensors"
+        save_file(t, str(path), metadata=meta)
+        return path
+
+    def with_config(**kw):
+        return {MANIFEST_KEY: json.dumps({**manifest, "config": {**manifest["config"], **kw}})}
+
+    some = next(k for k in tensors if k.endswith("wqkv.weight"))
+    cases = {
+        "no manifest": (write("no_manifest", tensors, {}), "no specdraft manifest|not a specdraft drafter"),
+        "corrupt manifest": (write("bad_json", tensors, {MANIFEST_KEY: "{not json"}), "manifest"),
+        "unknown kind": (write("kind", tensors, {MANIFEST_KEY: json.dumps({**manifest, "kind": "lstm"})}), "unknown kind"),
+        "missing tensor": (write("missing", {k: v for k, v in tensors.items() if k != some}, meta), "valid block"),
+        "mis-shaped tensor": (write("shape", {**tensors, some: tensors[some][:-1]}, meta), "valid block"),
+        "layer out of range": (write("layer", tensors, with_config(feature_layers=[3, 99])), "target layer 99"),
+        "another hidden size": (write("hidden", tensors, with_config(hidden_size=640)), "does not fit the target"),
+        "no config": (write("noconfig", tensors, {MANIFEST_KEY: json.dumps({k: v for k, v in manifest.items()
+                                                                           if k != "config"})}), "valid block"),
+    }
+    truncated = root / "truncated.safetensors"
+    truncated.write_bytes(src.read_bytes()[:4096])
+    cases["truncated file"] = (truncated, "corrupt|not a specdraft")
+    return cases
+
+
+def test_bad_drafter_checkpoints_give_one_error_line(capsys, tmp_path, default_target):
+    import re
+
+    for what, (path, needle) in _bad_checkpoints(tmp_path).items():
+        rc, _, err = run_cli(capsys, "generate", "hi", "--drafter", str(path), "--max-new-tokens", "4")
+        lines = [line for line in err.strip().splitlines() if line.strip()]
+        assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), (what, err)
+        assert re.search(needle, lines[0]), (what, lines[0])

@@ -135,8 +135,10 @@ def test_chimera_stats_with_a_fake_block_drafter(tiny_llama, modes):
     assert r["product"]["by_depth"][1]["chimera"] == 0  # one token cannot be stitched
     ctx = analyze_prompt(target, drafter, prompts[0], outputs[0], cfg, torch.Generator().manual_seed(0))
     assert [c["n"] for c in ctx] == context_steps(len(prompts[0]), len(outputs[0]), 3)  # lands on every wanted slot
-    assert all(c["futures"][0] == (prompts[0] + outputs[0])[c["n"] + 1 : c["n"] + 5] or 1 in c["futures"][0]
-               for c in ctx)  # the greedy future comes first
+    for c in ctx:  # the greedy future comes first: the output's next 4 tokens, cut after an EOS
+        greedy = (prompts[0] + outputs[0])[c["n"] + 1 : c["n"] + 5]
+        end = next((i for i, tok in enumerate(greedy) if tok in target.eos_ids), None)
+        assert c["futures"][0] == (greedy if end is None else greedy[: end + 1])
     again = chimera_stats(target, FakeBlock([p + o for p, o in zip(prompts, outputs)], modes=modes), prompts, outputs, cfg)
     assert again == r  # seeded: reproducible
 
@@ -145,5 +147,5 @@ def test_drafter_without_marginals_is_refused(tiny_llama, tmp_path):
     _, target, _ = tiny_llama
     with pytest.raises(SpecdraftError, match="--drafter ngram has no per-position distributions; use block or mfd"):
         chimera_report(target, "ngram", ["gsm"], 2, 8, ChimeraConfig(), tmp_path)
-    with pytest.raises(SpecdraftError):
+    with pytest.raises(SpecdraftError, match="--budget, --contexts-per-prompt and --top-k must be >= 1"):
         ChimeraConfig(budget=0)

@@ -48,14 +48,17 @@ def test_model_drafter_with_lookup_is_lossless(tiny_chat_target):
             assert r.token_ids == ref, (p, budget, lookup)
 
 
-def test_lookup_option_errors(tiny_llama):
-    for bad in ("gumiho@ngram=-1", "gumiho@ngram=x", "ngram@ngram=2"):
-        with pytest.raises(SpecdraftError):
-            make_drafter(bad, tiny_llama[1])
+@pytest.mark.parametrize("bad,match", [("gumiho@ngram=-1", "gumiho option ngram must be >= 0"),
+                                       ("gumiho@ngram=x", "gumiho option ngram must be an integer"),
+                                       ("ngram@ngram=2", "drafter 'ngram' has no option 'ngram'"),
+                                       ("gumiho@ngram", "is not key=value")])
+def test_lookup_option_errors(tiny_llama, bad, match):
+    with pytest.raises(SpecdraftError, match=match):
+        make_drafter(bad, tiny_llama[1])
 
 
 def test_budget_option_sets_any_drafters_budget(tiny_llama):
     assert make_drafter("ngram@budget=5", tiny_llama[1]).default_budget == 5
     for bad in ("ngram@budget=x", "ngram@budget=-2"):
-        with pytest.raises(SpecdraftError):
+        with pytest.raises(SpecdraftError, match="budget must be an integer >= 0"):
             make_drafter(bad, tiny_llama[1])

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
+import math
+import socket
 import threading
 import time
 
@@ -23,7 +26,8 @@ from specdraft.drafters.base import NoDrafter  # noqa: E402
 from specdraft.drafters.ngram import NgramDrafter  # noqa: E402
 from specdraft.generate import GenerateConfig, generate  # noqa: E402
 from specdraft.engine import Engine  # noqa: E402
-from specdraft.server.app import ServerThread, create_app  # noqa: E402
+from specdraft.errors import SpecdraftError  # noqa: E402
+from specdraft.server.app import STOP_S, ServerThread, create_app  # noqa: E402
 from specdraft.server.queue import RequestQueue  # noqa: E402
 from specdraft.target import Target  # noqa: E402
 from specdraft.verify import Sampling  # noqa: E402
@@ -80,6 +84,22 @@ def wait_idle(queue: RequestQueue, timeout: float = 15.0) -> None:
     raise AssertionError(f"the queue is still busy: {queue.load()}")
 
 
+def counts(queue: RequestQueue) -> dict[str, int]:
+    return {k: getattr(queue, k) for k in ("completed", "cancelled", "failed")}
+
+
+def moved(queue: RequestQueue, before: dict[str, int]) -> dict[str, int]:
+    """How far each of the queue's counters moved since ``before = counts(queue)``."""
+    return {k: getattr(queue, k) - v for k, v in before.items()}
+
+
+def sse(raw: bytes) -> list[str]:
+    """The data of each server-sent event in a stream's body."""
+    events = [e for e in raw.decode().split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events), raw[:300]
+    return [e[len("data: "):] for e in events]
+
+
 def raw_post(srv: ServerThread, path: str, body: bytes, timeout: float = 60) -> tuple[int, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=timeout)
     try:
@@ -118,13 +138,18 @@ def test_chat_equals_offline_greedy(server, tiny_chat_target):
     c = client(server)
     ids = tiny_chat_target.encode_messages(CONVERSATION)
     ref = offline(tiny_chat_target, ids, 20)
+    spec = offline(tiny_chat_target, ids, 20, drafter=make_drafter("ngram"))  # the server's drafter, for its stats
+    assert spec.text == ref.text and spec.stats.passes >= 1
+    assert spec.stats.tokens_per_pass == spec.stats.committed / spec.stats.passes
+    stats = {"passes": spec.stats.passes, "tokens_per_pass": round(spec.stats.committed / spec.stats.passes, 4),
+             "accept_hist": {str(k): v for k, v in spec.stats.accept_hist.items()}, "drafter": "ngram"}
     r = c.chat.completions.create(model=MODEL, messages=CONVERSATION, max_tokens=20, temperature=0)
     assert r.choices[0].message.content == ref.text
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].finish_reason == ref.finish_reason
     u = r.usage
     assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (len(ids), len(ref.token_ids), len(ids) + len(ref.token_ids))
-    assert u.passes >= 1 and u.tokens_per_pass >= 1.0 and u.drafter == "ngram"
+    assert {k: getattr(u, k) for k in stats} == stats
 
     chunks = list(c.chat.completions.create(model=MODEL, messages=CONVERSATION, max_tokens=20, temperature=0,
                                             stream=True, stream_options={"include_usage": True}))
@@ -132,7 +157,8 @@ def test_chat_equals_offline_greedy(server, tiny_chat_target):
     assert text == ref.text
     assert chunks[0].choices[0].delta.role == "assistant"
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == ref.finish_reason
-    assert chunks[-1].usage.completion_tokens == len(ref.token_ids) and chunks[-1].usage.tokens_per_pass >= 1.0
+    assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
+    assert {k: getattr(chunks[-1].usage, k) for k in stats} == stats
 
 
 def test_one_user_message_uses_the_same_ids_as_generate(tiny_chat_target):
@@ -315,10 +341,16 @@ CASES = st.one_of(
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=CASES)
 def test_fuzzed_requests_never_get_500(server, case):
+    queue = server.queue
+    before = counts(queue)
     path, body = case
     status, raw = raw_post(server, path, body)
     event(f"status {status}")
-    assert status in (200, 400, 413, 429), (status, raw[:300])
+    # one request at a time: never a full queue (429), and each answered request has freed its slot
+    assert status in (200, 400, 413), (status, raw[:300])
+    q = queue.load()
+    assert (q["running"], q["waiting"]) == (0, 0), q
+    assert moved(queue, before) == {"completed": 1 if status == 200 else 0, "cancelled": 0, "failed": 0}
     if status != 200:
         assert json.loads(raw)["error"]["message"]
     elif raw.startswith(b"data:"):
@@ -333,7 +365,7 @@ def test_fuzzed_requests_never_get_500(server, case):
 def test_disconnecting_stream_frees_the_server(slow_server):
     queue = slow_server.queue
     wait_idle(queue)
-    cancelled = queue.cancelled
+    before = counts(queue)
     c = client(slow_server)
     msgs = [{"role": "user", "content": "Write a long story."}]
     t0 = time.monotonic()
@@ -344,13 +376,13 @@ def test_disconnecting_stream_frees_the_server(slow_server):
     r = c.chat.completions.create(model="slow", messages=msgs, max_tokens=3)
     assert r.usage.completion_tokens == 3
     assert time.monotonic() - t0 < 7, "the next request waited for the abandoned generation"
-    assert queue.cancelled == cancelled + 1
+    assert moved(queue, before) == {"completed": 1, "cancelled": 1, "failed": 0}
 
 
 def test_disconnecting_non_streaming_client_stops_its_generation(slow_server):
     queue = slow_server.queue
     wait_idle(queue)
-    cancelled = queue.cancelled
+    before = counts(queue)
     body = json.dumps({"model": "slow", "prompt": "Once upon a time", "max_tokens": 200}).encode()
     conn = http.client.HTTPConnection("127.0.0.1", slow_server.port, timeout=30)
     conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
@@ -359,12 +391,13 @@ def test_disconnecting_non_streaming_client_stops_its_generation(slow_server):
         time.sleep(0.02)
     conn.close()  # ~10 s of generation left, nobody to send it to
     wait_idle(queue, timeout=5)
-    assert queue.cancelled == cancelled + 1
+    assert moved(queue, before) == {"completed": 0, "cancelled": 1, "failed": 0}
 
 
 def test_full_queue_is_refused_at_once(slow_server):
     queue = slow_server.queue
     wait_idle(queue)
+    before = counts(queue)
     body = json.dumps({"model": "slow", "messages": [{"role": "user", "content": "Go on."}], "max_tokens": 200,
                        "stream": True}).encode()
     conns = []
@@ -387,11 +420,15 @@ def test_full_queue_is_refused_at_once(slow_server):
             resp.close()
             conn.close()
     wait_idle(queue)  # both abandoned generations (running and queued) were dropped
+    assert moved(queue, before) == {"completed": 0, "cancelled": queue.capacity, "failed": 0}
     r = client(slow_server).chat.completions.create(model="slow", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert r.usage.completion_tokens == 2
+    assert moved(queue, before) == {"completed": 1, "cancelled": queue.capacity, "failed": 0}
 
 
 def test_concurrent_clients_all_answered(server, tiny_chat_target):
+    wait_idle(server.queue)
+    before = counts(server.queue)
     prompts = [f"Question number {i}?" for i in range(4)]
     refs = {p: offline(tiny_chat_target, tiny_chat_target.encode_messages([{"role": "user", "content": p}]), 10).text
             for p in prompts}
@@ -407,3 +444,202 @@ def test_concurrent_clients_all_answered(server, tiny_chat_target):
     for t in threads:
         t.join(60)
     assert got == refs
+    assert moved(server.queue, before) == {"completed": len(prompts), "cancelled": 0, "failed": 0}
+
+
+def test_concurrent_streams_and_seeded_samples_equal_offline(server, tiny_chat_target):
+    """Streaming greedy and seeded sampling requests at once (the queue's whole capacity): each answer is
+    the offline ``generate`` of its own request, with the server's drafter kind for the sampled ones."""
+    queue = server.queue
+    wait_idle(queue)
+    before = counts(queue)
+    greedy = {f"Story number {i}, please.": None for i in range(2)}
+    seeds = [3, 11, 2**40 + 5]
+    msgs = [{"role": "user", "content": "Say something."}]
+    ids = tiny_chat_target.encode_messages(msgs)
+    refs = {p: offline(tiny_chat_target, tiny_chat_target.encode_messages([{"role": "user", "content": p}]), 12)
+            for p in greedy}
+    sampled_refs = {seed: offline(tiny_chat_target, ids, 12, drafter=make_drafter("ngram"),
+                                  sampling=Sampling(temperature=0.8, top_p=0.9), seed=seed) for seed in seeds}
+    assert len({r.text for r in sampled_refs.values()}) == len(seeds)  # a mixed-up seed would show
+    assert len(greedy) + len(seeds) == queue.capacity
+    got: dict = {}
+    start = threading.Barrier(queue.capacity)
+
+    def stream(p: str) -> None:
+        c = client(server)
+        start.wait(10)
+        chunks = list(c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": p}], max_tokens=12,
+                                                temperature=0, stream=True))
+        got[p] = ("".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices),
+                  [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1])
+
+    def sample(seed: int) -> None:
+        c = client(server)
+        start.wait(10)
+        r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=0.8, top_p=0.9, seed=seed)
+        got[seed] = (r.choices[0].message.content, r.choices[0].finish_reason)
+
+    threads = [threading.Thread(target=stream, args=(p,)) for p in greedy]
+    threads += [threading.Thread(target=sample, args=(s,)) for s in seeds]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    want = {k: (r.text, r.finish_reason) for k, r in {**refs, **sampled_refs}.items()}
+    assert got == want
+    assert moved(queue, before) == {"completed": queue.capacity, "cancelled": 0, "failed": 0}
+
+
+class FailingDrafter(NoDrafter):
+    """Plain decoding whose ``propose`` raises on pass ``fail_at`` of every generation (shorter ones succeed)."""
+
+    name = "failing"
+
+    def __init__(self, fail_at: int = 4) -> None:
+        super().__init__()
+        self.fail_at, self.passes = fail_at, 0
+
+    def reset(self, prompt_ids, first_token, prefill) -> None:
+        super().reset(prompt_ids, first_token, prefill)
+        self.passes = 0
+
+    def propose(self, budget):
+        self.passes += 1
+        if self.passes == self.fail_at:
+            raise RuntimeError("the drafter broke")
+        return super().propose(budget)
+
+
+def test_generation_error_mid_stream_gives_an_error_event_then_done(tiny_chat_target):
+    queue = RequestQueue(Engine(twin(tiny_chat_target), FailingDrafter(fail_at=4)), model_id="failing", max_queue=1)
+    msgs = [{"role": "user", "content": "Write a long story."}]
+    ids = tiny_chat_target.encode_messages(msgs)
+    full = offline(tiny_chat_target, ids, 20)
+    head = offline(tiny_chat_target, ids, 4)  # the prefill's token and 3 passes: what comes before the failure
+    assert len(full.token_ids) == 20 and full.text.startswith(head.text) and head.text
+    body = {"model": "failing", "messages": msgs, "max_tokens": 20}
+    with ServerThread(create_app(queue)) as srv:
+        before = counts(queue)
+        status, raw = raw_post(srv, "/v1/chat/completions", json.dumps({**body, "stream": True}).encode())
+        assert status == 200
+        events = sse(raw)
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])
+        assert error == {"error": {"message": "generation stopped: RuntimeError", "type": "server_error",
+                                   "param": None, "code": None}}
+        chunks = [json.loads(e) for e in events[:-2]]
+        assert all("error" not in ch for ch in chunks)
+        assert all(ch["choices"][0]["finish_reason"] is None for ch in chunks)  # it never claims to have finished
+        text = "".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks)
+        assert text and head.text.startswith(text), (text, head.text)  # the text up to the failure, no more
+        wait_idle(queue)
+        assert moved(queue, before) == {"completed": 0, "cancelled": 0, "failed": 1}
+
+        status, raw = raw_post(srv, "/v1/chat/completions", json.dumps(body).encode())  # the same, not streamed
+        assert status == 500, raw
+        assert json.loads(raw) == {"error": {"message": "internal error: RuntimeError", "type": "server_error",
+                                             "param": None, "code": None}}
+        wait_idle(queue)
+        assert moved(queue, before) == {"completed": 0, "cancelled": 0, "failed": 2}
+
+        r = client(srv).chat.completions.create(model="failing", messages=msgs, max_tokens=3)  # 2 passes: no failure
+        assert r.choices[0].message.content == offline(tiny_chat_target, ids, 3).text
+        assert moved(queue, before) == {"completed": 1, "cancelled": 0, "failed": 2}
+
+
+def test_shutdown_ends_open_requests_and_cancels_their_generations(tiny_chat_target):
+    """Stopping the server with two streams open on a slow drafter (one generating, one waiting) and a
+    non-streaming request waiting behind them: after the grace each stream ends properly with an
+    ``error`` event then ``data: [DONE]`` (its connection is not cut mid-body), the non-streaming
+    request gets a 503, all three generations are cancelled, and the queue refuses new work."""
+    queue = RequestQueue(Engine(twin(tiny_chat_target), SlowDrafter()), model_id="slow", max_queue=2, default_max_tokens=200)
+    msgs = [{"role": "user", "content": "Write a long story."}]
+    body = json.dumps({"model": "slow", "messages": msgs, "max_tokens": 200, "stream": True}).encode()  # ~10 s each
+    grace = 0.3
+    results: dict[int, tuple[bytes, bool]] = {}
+
+    def drain(i: int, resp: http.client.HTTPResponse, head: bytes) -> None:
+        try:
+            results[i] = (head + resp.read(), True)
+        except http.client.IncompleteRead as e:  # the connection closed mid-body
+            results[i] = (head + e.partial, False)
+
+    def post() -> None:
+        results[2] = raw_post(srv, "/v1/chat/completions", json.dumps({"model": "slow", "messages": msgs}).encode())
+
+    with ServerThread(create_app(queue), grace_s=grace) as srv:
+        before = counts(queue)
+        opened = []
+        for _ in range(2):
+            conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+            conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            assert resp.status == 200
+            opened.append((conn, resp))
+        head = b""
+        while b'"content": "' not in head.split(b"\n\n", 1)[-1]:  # past the role chunk: text is streaming
+            head += opened[0][1].readline()
+        threads = [threading.Thread(target=drain, args=(i, resp, head if i == 0 else b""))
+                   for i, (conn, resp) in enumerate(opened)] + [threading.Thread(target=post)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 5
+        while queue.load()["waiting"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert (queue.load()["running"], queue.load()["waiting"]) == (1, 2)
+        t0 = time.monotonic()
+    took = time.monotonic() - t0  # leaving the block shuts the server down and waits for it
+    for t in threads:
+        t.join(10)
+    for conn, _ in opened:
+        conn.close()
+    assert took < grace + STOP_S, f"shutdown took {took:.1f} s: the requests were cut, not ended"
+    for i in range(2):
+        raw, complete = results[i]
+        assert complete, raw[-300:]
+        events = sse(raw)
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2]) == {"error": {"message": "the generation was cancelled (server shutting down)",
+                                                    "type": "server_error", "param": None, "code": None}}
+        chunks = [json.loads(e) for e in events[:-2]]
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert all(ch["choices"][0]["finish_reason"] is None for ch in chunks)
+        texts = [ch["choices"][0]["delta"]["content"] for ch in chunks[1:]]
+        if i == 0:  # it was generating
+            assert texts and all(texts), texts
+        else:  # it was waiting: it never started
+            assert texts == []
+    status, raw = results[2]
+    assert status == 503 and json.loads(raw)["error"]["message"] == "the generation was cancelled (server shutting down)"
+    assert moved(queue, before) == {"completed": 0, "cancelled": 3, "failed": 0}
+    assert (queue.load()["running"], queue.load()["waiting"]) == (0, 0)
+    assert queue.submit(queue.target.encode_prompt("hi", raw=True), queue.config(2, None, None, None, None, [])) is None
+    assert queue.load()["waiting"] == 0
+
+
+def test_client_leaving_while_its_body_is_read_is_a_disconnect(server, caplog):
+    """A client that sends its headers and part of its body, then closes: handled as a disconnect
+    (logged at info), not as an internal error, and the server goes on serving."""
+    caplog.set_level(logging.INFO, logger="specdraft.server")
+    before = counts(server.queue)
+    part = b'{"model": "tiny-chat", "messages": [{"role": "user", "content": "'
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(part) + 100_000}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(head + part)
+        time.sleep(0.2)  # the handler is waiting for the rest of the body
+    deadline = time.monotonic() + 5
+    while not [r for r in caplog.records if r.name == "specdraft.server"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    records = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "specdraft.server"]
+    assert records == [(logging.INFO, "client disconnected before its request body was read")]
+    r = client(server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert r.usage.completion_tokens == 2
+    assert moved(server.queue, before) == {"completed": 1, "cancelled": 0, "failed": 0}
+
+
+@pytest.mark.parametrize("temperature", [math.nan, math.inf, -1.0])
+def test_bad_default_temperature_fails_at_construction(tiny_chat_target, temperature):
+    with pytest.raises(SpecdraftError, match="temperature"):
+        RequestQueue(Engine(twin(tiny_chat_target)), default_temperature=temperature)

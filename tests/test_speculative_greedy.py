@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -67,8 +66,10 @@ def test_random_trees_equal_plain_greedy(tiny_llama, seed, width, depth, budget,
 def test_plain_greedy_stats(tiny_llama):
     _, target, _ = tiny_llama
     r = generate(target, [5, 6, 7], None, GenerateConfig(max_new_tokens=10))
-    assert r.stats.tokens_per_pass == 1.0 or r.finish_reason == "stop"
-    assert r.stats.passes == len(r.token_ids) - 1 or r.finish_reason == "stop"
+    assert r.finish_reason == "length" and len(r.token_ids) == 10  # this prompt never reaches EOS in 10 tokens
+    # the first token comes from prefill, each later one from one single-node pass
+    assert r.stats.passes == 9 and r.stats.committed == 9 and r.stats.tokens_per_pass == 1.0
+    assert r.stats.accept_hist == {0: 9} and r.stats.tree_nodes == 0
 
 
 PROMPTS = [
@@ -80,22 +81,21 @@ PROMPTS = [
 
 
 def test_ngram_equals_greedy_on_real_prompts(default_target):
+    """Exact equality, no tie allowance; the stats agree with the per-pass histogram; the drafts get
+    accepted (pooled tokens per pass measured 1.20 on these prompts; floor 1 + 0.75 x the gain)."""
     cfg = GenerateConfig(max_new_tokens=96)
-    accepted_some = False
+    committed = passes = 0
     for p in PROMPTS:
         ids = default_target.encode_prompt(p)
         ref = generate(default_target, ids, None, cfg)
         got = generate(default_target, ids, NgramDrafter(), cfg)
-        if got.token_ids != ref.token_ids:  # allowed only at a recorded floating-point tie
-            from specdraft.bench.runner import TIE_GAP, divergence
-
-            div = divergence(default_target, ids, got.token_ids, ref.token_ids, 2)
-            assert div["top2_gap"] < TIE_GAP, div
-        accepted_some |= got.stats.tokens_per_pass > 1.0
+        assert got.token_ids == ref.token_ids and got.finish_reason == ref.finish_reason
         gs = got.stats
-        assert gs.tokens_per_pass == pytest.approx(gs.committed / gs.passes)
+        assert gs.passes == sum(gs.accept_hist.values())
+        assert gs.committed == sum((k + 1) * v for k, v in gs.accept_hist.items())
         assert gs.committed == gs.new_tokens - 1 + (got.finish_reason == "stop")  # EOS consumed, not emitted
-    assert accepted_some  # the drafter did propose accepted tokens
+        committed, passes = committed + gs.committed, passes + gs.passes
+    assert committed / passes >= 1.15
 
 
 def test_sampling_reproducible_with_seed(tiny_llama):

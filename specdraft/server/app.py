@@ -8,6 +8,11 @@ Every bad request gets a 4xx with an OpenAI-style body ``{"error": {"message", "
 unknown model; 413 for a body over the limit; 429 when the queue is full.  ``usage`` carries
 ``prompt_tokens``, ``completion_tokens``, ``total_tokens`` and the speculative stats
 (``passes``, ``tokens_per_pass``, ``accept_hist``, ``tok_s``, ``drafter``).
+
+A generation that fails gives a 500 (``server_error``), or in a stream an event ``{"error": {...}}``
+then ``data: [DONE]``.  On shutdown open requests get ``GRACE_S`` seconds to finish; then their
+generations are cancelled and each ends properly: a stream with an ``error`` event and
+``data: [DONE]``, a non-streaming request with a 503.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from specdraft.errors import SpecdraftError
 from specdraft.generate import GenerationResult
@@ -50,7 +56,8 @@ __version__ = _version()
 
 MAX_BODY_BYTES = 4 << 20
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
-GRACE_S = 5  # on shutdown, open streams get this long before they are cancelled (which stops their generation)
+GRACE_S = 5  # on shutdown, open requests get this long to finish before their generations are cancelled
+STOP_S = 2  # then this long to end their responses (error event and [DONE]; 503) before uvicorn cuts them
 
 
 # ---------------------------------------------------------------------- request schemas
@@ -273,6 +280,9 @@ def create_app(queue: RequestQueue, max_body_bytes: int = MAX_BODY_BYTES) -> Fas
             return _error(e.status, e.message, e.type, e.param, e.code)
         except SpecdraftError as e:
             return _error(400, str(e))
+        except ClientDisconnect:  # the client left while its body was being read: nothing to answer
+            log.info("client disconnected before its request body was read")
+            return _error(499, "client closed the request")
         rid = f"{kind.prefix}-{uuid.uuid4().hex[:24]}"
         head = {"id": rid, "created": int(time.time()), "model": queue.model_id, "system_fingerprint": fingerprint}
         if req.stream:
@@ -331,7 +341,10 @@ def create_app(queue: RequestQueue, max_body_bytes: int = MAX_BODY_BYTES) -> Fas
                 try:
                     r = job.future.result()
                 except Exception as e:  # report it in the stream, do not crash the connection
-                    msg = str(e) if isinstance(e, SpecdraftError) else f"generation stopped: {type(e).__name__}"
+                    if isinstance(e, Cancelled):  # only a shutdown cancels a generation whose client is still here
+                        msg = "the generation was cancelled (server shutting down)"
+                    else:
+                        msg = str(e) if isinstance(e, SpecdraftError) else f"generation stopped: {type(e).__name__}"
                     if not isinstance(e, (Cancelled, SpecdraftError)):
                         log.error("generation failed", exc_info=e)
                     yield _sse({"error": {"message": msg, "type": "server_error", "param": None, "code": None}})
@@ -360,22 +373,42 @@ def create_app(queue: RequestQueue, max_body_bytes: int = MAX_BODY_BYTES) -> Fas
     return app
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, except at shutdown: once the open requests have had ``grace_s`` seconds, their
+    generations are cancelled (``queue.shutdown()``) so that each response ends properly (a stream
+    with an ``error`` event and ``[DONE]``, a waiting request with a 503); only what is still open
+    ``STOP_S`` later is cut by uvicorn (which then shuts the queue down again from the lifespan)."""
+
+    def __init__(self, config: uvicorn.Config, queue: RequestQueue, grace_s: float) -> None:
+        config.timeout_graceful_shutdown = grace_s + STOP_S
+        super().__init__(config)
+        self.queue, self.grace_s = queue, grace_s
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        timer = asyncio.get_running_loop().call_later(self.grace_s, self.queue.shutdown)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+
 class ServerThread:
-    """Runs ``app`` with uvicorn on a daemon thread (tests, load checks); port 0 = any free port.
+    """Runs ``app`` with uvicorn on a daemon thread (tests, load checks); port 0 = any free port;
+    ``grace_s``: how long open requests get at shutdown before their generations are cancelled.
 
     with ServerThread(create_app(queue)) as srv:
         OpenAI(base_url=srv.url + "/v1", api_key="none")
     """
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, quiet: bool = True) -> None:
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, quiet: bool = True,
+                 grace_s: float = GRACE_S) -> None:
         self.host = host
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.port = self.sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning" if quiet else "info", access_log=not quiet,
-                                timeout_graceful_shutdown=GRACE_S)
-        self.server = uvicorn.Server(config)
+        config = uvicorn.Config(app, log_level="warning" if quiet else "info", access_log=not quiet)
+        self.server = _Server(config, app.state.queue, grace_s)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
                                        name="specdraft-server")
 
@@ -400,6 +433,13 @@ class ServerThread:
 
 
 def serve(queue: RequestQueue, host: str = "127.0.0.1", port: int = 8000, quiet: bool = False) -> None:
-    """Run the server until Ctrl-C."""
-    uvicorn.run(create_app(queue), host=host, port=port, log_level="warning" if quiet else "info",
-                access_log=not quiet, timeout_graceful_shutdown=GRACE_S)
+    """Run the server until Ctrl-C (or SIGTERM)."""
+    config = uvicorn.Config(create_app(queue), host=host, port=port, log_level="warning" if quiet else "info",
+                            access_log=not quiet)
+    server = _Server(config, queue, GRACE_S)
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    if not server.started:  # uvicorn has logged why (the port is taken, ...)
+        raise SpecdraftError(f"the server did not start on {host}:{port}")

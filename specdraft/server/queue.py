@@ -42,6 +42,7 @@ class RequestQueue:
             raise SpecdraftError(f"--max-queue must be >= 0 (got {max_queue})")
         if default_max_tokens < 1:
             raise SpecdraftError(f"--max-tokens must be >= 1 (got {default_max_tokens})")
+        Sampling(temperature=default_temperature)  # a NaN, infinite or negative default fails here, not per request
         self.engine = engine
         self.target = target
         self.drafter = engine.drafter
@@ -54,6 +55,7 @@ class RequestQueue:
         self._lock = threading.Lock()
         self._jobs: set[int] = set()  # ids of admitted jobs (running or waiting)
         self._cancels: dict[int, threading.Event] = {}
+        self._closed = False  # set by shutdown(): nothing more is admitted
         self.running = False
         self.completed = 0  # generations that finished
         self.cancelled = 0  # generations stopped by their cancel flag
@@ -92,7 +94,7 @@ class RequestQueue:
         """Queue a generation; None when the queue is full (refuse the request)."""
         job = Job(ids, config, on_text)
         with self._lock:
-            if len(self._jobs) >= self.capacity:
+            if self._closed or len(self._jobs) >= self.capacity:
                 return None
             self._jobs.add(id(job))
             self._cancels[id(job)] = job.cancel
@@ -127,7 +129,12 @@ class RequestQueue:
             self._release(job)
 
     def shutdown(self) -> None:
+        """Refuse new requests and cancel every admitted one: the running generation stops within one
+        pass; each waiting one still reaches ``_run``, which stops it before it starts, so it is counted
+        in ``cancelled``, its slot is freed and its waiter hears ``Cancelled`` (cancelling the pool's
+        futures instead would skip all three).  Idempotent; returns without waiting."""
         with self._lock:
+            self._closed = True
             for ev in self._cancels.values():
                 ev.set()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown(wait=False)

@@ -10,15 +10,17 @@ Timings are wall-clock on a shared machine: compare numbers from one run.
 
 from __future__ import annotations
 
+import importlib
 import sys
 import time
 from collections import defaultdict
 
-import specdraft.generate as G
 from specdraft.datasets import load_prompts
 from specdraft.drafters import make_drafter
 from specdraft.generate import GenerateConfig, generate
 from specdraft.target import Target
+
+G = importlib.import_module("specdraft.generate")  # the module (``specdraft.generate`` is the exported function)
 
 
 def timed(obj, attr: str, key: str, acc: dict) -> None:

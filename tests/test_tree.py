@@ -82,6 +82,16 @@ def test_commit_linear_path_is_noop_and_branch_compacts(tiny_llama):
     target.commit([0, 3, 4])
     assert target.length == 6
     assert torch.equal(target.cache.kv[:, :, :, :, 3:6], expected)
+    # a linear path (nodes 0, 1, 2, at slots 3..5 already) is left in place: no compaction at all
+    target.prefill([1, 2, 3], max_slots=16)
+    target.forward_tree(t)
+    before = target.cache.kv.clone()
+    calls = []
+    real = target.cache.compact
+    target.cache.compact = lambda *a: calls.append(a) or real(*a)
+    target.commit([0, 1, 2])
+    assert target.length == 6 and calls == []
+    assert torch.equal(target.cache.kv, before)
 
 
 def test_argmax_rows_matches_torch_including_ties():

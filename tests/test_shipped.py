@@ -1,8 +1,9 @@
 """Every shipped drafter, on the real default target and a real prompt from each benchmark dataset,
 at budgets 1, its default and 32: the output equals plain greedy decoding token for token (no tie
-allowance), and its drafts are accepted: pooled tokens per pass stay above a floor set from the
-values measured when the weights shipped (floor = 1 + 0.75 x the measured gain over 1), so a
-broken feature layer, vocabulary map or tree fails here.
+allowance), and its drafts are accepted: pooled tokens per pass stay within MARGIN of the values
+measured with these weights, so a broken feature layer, feature row, vocabulary map or tree fails
+here (the runs are deterministic; the margin allows a few accepted tokens more or fewer where
+another CPU's bfloat16 kernels round a drafter's scores differently).
 
 Slow (real model): about three minutes on a 2-core CPU."""
 
@@ -16,6 +17,7 @@ from specdraft.drafters.registry import REGISTRY, weights_path
 from specdraft.generate import GenerateConfig, generate
 
 NEW_TOKENS = 32
+MARGIN = 0.05  # tokens per pass: about two accepted tokens out of the ~90 passes pooled
 DATASETS = ("gsm", "mtbench", "humaneval")
 # pooled tokens per pass over the three prompts at budgets (1, default, 32), measured on the 2-core
 # CPU with no cost curve stored (default budgets: ngram 2, phrase 6, hybrids 3, block / mfd 4), 2026-12-02
@@ -65,7 +67,7 @@ def test_shipped_drafter_is_exact_and_accepts_drafts(default_target, cases, spec
             passes += r.stats.passes
         tpp = committed / passes
         print(f"MEASURED {spec} budget={budget or drafter.default_budget} tokens_per_pass={tpp:.4f}")
-        assert tpp >= 1 + 0.75 * (measured - 1), (spec, budget, tpp, measured)
+        assert tpp >= measured - MARGIN, (spec, budget, tpp, measured)
 
 
 @pytest.mark.parametrize("spec", ["block@tree=linear", "mfd@tree=ddtree", "phrase@ngram_first=1"])

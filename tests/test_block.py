@@ -293,7 +293,14 @@ def test_budget_profile_is_stored_and_picks_the_budget(tiny_chat_target, tiny_tr
     tensors, manifest = load_checkpoint(path)
     assert set(tensors) == set(before) and all(torch.equal(tensors[k], before[k]) for k in tensors)  # weights kept
     assert manifest["acceptance_by_budget"] == prof["tokens_per_pass"] and set(prof["draft_ms"]) == {"1", "2", "4", "8"}
-    assert prof["sequences"] >= 1 and all(v >= 1.0 for v in prof["tokens_per_pass"].values())
+    # the stored profile is the replay of the checkpoint's own held-out responses, at each budget
+    from specdraft.replay import simulate_dataset
+    from specdraft.train.profile import held_out_sequences
+
+    prompts, outputs = held_out_sequences(tiny_train_data / "data", manifest, 32)
+    want = simulate_dataset(tiny_chat_target, {"d": make_drafter(str(path), tiny_chat_target)}, prompts, outputs, [1, 2, 4, 8])
+    assert prof["sequences"] == len(prompts) >= 1
+    assert prof["tokens_per_pass"] == {str(b): round(v, 4) for b, v in want["d"].items()}
     assert all(v > 0 for v in prof["draft_ms"].values())
     # a flat cost curve: the biggest tree with the most tokens per pass wins; a steep one: budget 1
     flat = {"n": list(range(1, 10)), "ratio": [1.0] * 9, "ms": [1e30] * 9}  # drafting time negligible

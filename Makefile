@@ -22,7 +22,7 @@ demo: install
 
 test: install
 	$(PIP) install -q -e '.[test]'
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=10
 
 clean:
 	rm -rf $(VENV) bench_out .pytest_cache

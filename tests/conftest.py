@@ -18,6 +18,17 @@ os.environ["SPECDRAFT_CACHE"] = tempfile.mkdtemp(prefix="specdraft-test-cache-")
 from specdraft.model.load import LoadedWeights, build_model, load_hf_folder
 from specdraft.target import Target
 
+REAL_MODEL = {"default_weights", "default_target", "default_hf"}
+
+
+def pytest_collection_modifyitems(items):
+    """Every test that loads the real default model is marked ``slow`` (they stay in CI; ``-m "not
+    slow"`` runs the rest in a few minutes)."""
+    for item in items:
+        if REAL_MODEL & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True)
 def restore_torch_globals():
     """Threads, the default dtype and grad mode are as they were after every test."""

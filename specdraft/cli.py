@@ -283,7 +283,7 @@ def _read_prompt(args) -> str:
         except OSError as e:
             raise SpecdraftError(f"cannot read {args.file}: {e.strerror}") from None
         except UnicodeDecodeError:
-            raise SpecdraftError(f"{args.file} is not UTF-8 text") from None
+            raise SpecdraftError(f"{'standard input' if args.file == '-' else args.file} is not UTF-8 text") from None
     if args.prompt is None:
         raise SpecdraftError("no prompt: pass it as an argument or with --file")
     return args.prompt

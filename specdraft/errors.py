@@ -7,7 +7,7 @@ keeps its traceback.
 
 class SpecdraftError(Exception):
     """A problem with the user's input or environment, explained in one line: text embedded from
-    another library's error (often several lines) is folded onto it."""
+    another library's error (often several lines) is folded onto it; other spacing is kept."""
 
     def __str__(self) -> str:
-        return " ".join(super().__str__().split())
+        return " ".join(part.strip() for part in super().__str__().splitlines() if part.strip())

@@ -98,7 +98,7 @@ class Target:
         if not messages:
             raise SpecdraftError("the conversation is empty")
         for m in messages:
-            _check_text(m.get("content") or "", f"a {m.get('role', '')} message")
+            _check_text(m.get("content") or "", f"the {m.get('role', '')} message")
         if getattr(tok, "chat_template", None):
             try:
                 text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

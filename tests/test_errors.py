@@ -12,6 +12,19 @@ from specdraft.nn.checkpoint import load_checkpoint, save_checkpoint
 from specdraft.errors import SpecdraftError
 
 
+@pytest.fixture(autouse=True)
+def reuse_default_target(request, monkeypatch):
+    """A test that asks for ``default_target`` gets it from every CLI command loading the default
+    target (one load per session instead of one per command)."""
+    if "default_target" not in request.fixturenames:
+        return
+    from specdraft.target import Target
+
+    target, real = request.getfixturevalue("default_target"), Target.load
+    monkeypatch.setattr(Target, "load", classmethod(
+        lambda cls, spec="default", **kw: target if spec == "default" else real(spec, **kw)))
+
+
 def run_cli(capsys, *argv) -> tuple[int, str, str]:
     rc = cli.main(list(argv))
     cap = capsys.readouterr()
@@ -190,9 +203,17 @@ def test_non_finite_numbers_refused(capsys, value):
         Sampling(temperature=float(value))
 
 
-def test_serve_refuses_a_budget_past_the_context_before_serving(capsys, default_target):
-    rc, _, err = run_cli(capsys, "serve", "--budget", "1000000", "--port", "0")
-    assert_one_line_error(rc, err, "does not fit the target's context")
+def test_serve_refuses_a_budget_past_the_context_before_serving(capsys, default_target, monkeypatch):
+    from specdraft.server import app
+
+    def never(*a, **k):  # had the check failed, the server would start here and block the test
+        raise AssertionError("serve was started with a budget past the context")
+
+    monkeypatch.setattr(app, "serve", never)
+    for argv in (["--budget", "1000000"], ["--drafter", "none", "--budget", "100000"],
+                 ["--drafter", "ngram@budget=2", "--budget", "100000"]):
+        rc, _, err = run_cli(capsys, "serve", "--port", "0", *argv)
+        assert_one_line_error(rc, err, "does not fit the target's context")
 
 
 def test_usage_errors_are_one_line(capsys):
@@ -213,7 +234,7 @@ def test_a_gguf_that_is_not_one(capsys, tmp_path):
     f = tmp_path / "text.gguf"
     f.write_text("just some text\n" * 20)
     rc, _, err = run_cli(capsys, "generate", "hello", "--target", str(f))
-    assert_one_line_error(rc, err, "text.gguf")
+    assert_one_line_error(rc, err, "cannot read GGUF file")
 
 
 def test_folded_error_text_is_one_line():
@@ -245,8 +266,9 @@ def _bad_checkpoints(root):
 
     some = next(k for k in tensors if k.endswith("wqkv.weight"))
     cases = {
-        "no manifest": (write("no_manifest", tensors, {}), "no specdraft manifest|not a specdraft drafter"),
-        "corrupt manifest": (write("bad_json", tensors, {MANIFEST_KEY: "{not json"}), "manifest"),
+        "no manifest": (write("no_manifest", tensors, {}), "not a specdraft drafter checkpoint .corrupt or missing manifest"),
+        "corrupt manifest": (write("bad_json", tensors, {MANIFEST_KEY: "{not json"}),
+                             "not a specdraft drafter checkpoint .corrupt or missing manifest"),
         "unknown kind": (write("kind", tensors, {MANIFEST_KEY: json.dumps({**manifest, "kind": "lstm"})}), "unknown kind"),
         "missing tensor": (write("missing", {k: v for k, v in tensors.items() if k != some}, meta), "valid block"),
         "mis-shaped tensor": (write("shape", {**tensors, some: tensors[some][:-1]}, meta), "valid block"),
@@ -257,7 +279,7 @@ def _bad_checkpoints(root):
     }
     truncated = root / "truncated.safetensors"
     truncated.write_bytes(src.read_bytes()[:4096])
-    cases["truncated file"] = (truncated, "corrupt|not a specdraft")
+    cases["truncated file"] = (truncated, "not a specdraft drafter checkpoint .corrupt or missing manifest")
     return cases
 
 

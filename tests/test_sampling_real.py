@@ -104,5 +104,4 @@ def test_a_biased_verifier_is_caught(default_target, monkeypatch):
     ids = default_target.encode_prompt(*PROMPTS["gumiho"])
     seqs, _ = counts_of(default_target, make_drafter("gumiho", default_target), ids, s)
     ok, why = consistent(seqs, exact(default_target, ids, s))
-    assert not ok, why
-    print("biased verifier:", why)
+    assert not ok and why.startswith("chi-square"), why  # inside the support: the chi-square itself saw it

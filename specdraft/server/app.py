@@ -289,8 +289,11 @@ def create_app(queue: RequestQueue, max_body_bytes: int = MAX_BODY_BYTES) -> Fas
             return await stream(queue, ids, cfg, kind, head, bool(req.stream_options and req.stream_options.include_usage))
         job = queue.submit(ids, cfg)
         if job is None:
-            return busy()
+            return busy() if not queue.closed else closing()
         return await wait(request, queue, job, kind, head)
+
+    def closing() -> JSONResponse:
+        return _error(503, "the server is shutting down", "server_error", code="shutting_down")
 
     def busy() -> JSONResponse:
         return _error(429, f"the server is busy: {queue.capacity} requests are running or queued; retry later",
@@ -328,7 +331,7 @@ def create_app(queue: RequestQueue, max_body_bytes: int = MAX_BODY_BYTES) -> Fas
         job = None
         job = queue.submit(ids, cfg, on_text=lambda s: put(s))
         if job is None:
-            return busy()
+            return busy() if not queue.closed else closing()
         job.future.add_done_callback(lambda f: put(None))
 
         async def events():
@@ -379,8 +382,8 @@ class _Server(uvicorn.Server):
     with an ``error`` event and ``[DONE]``, a waiting request with a 503); only what is still open
     ``STOP_S`` later is cut by uvicorn (which then shuts the queue down again from the lifespan)."""
 
-    def __init__(self, config: uvicorn.Config, queue: RequestQueue, grace_s: float) -> None:
-        config.timeout_graceful_shutdown = grace_s + STOP_S
+    def __init__(self, config: uvicorn.Config, queue: RequestQueue, grace_s: float, stop_s: float = STOP_S) -> None:
+        config.timeout_graceful_shutdown = grace_s + stop_s
         super().__init__(config)
         self.queue, self.grace_s = queue, grace_s
 
@@ -390,25 +393,27 @@ class _Server(uvicorn.Server):
             await super().shutdown(sockets)
         finally:
             timer.cancel()
+            self.queue.shutdown()  # also after a forced exit (a second Ctrl-C skips the lifespan's shutdown)
 
 
 class ServerThread:
     """Runs ``app`` with uvicorn on a daemon thread (tests, load checks); port 0 = any free port;
-    ``grace_s``: how long open requests get at shutdown before their generations are cancelled.
+    ``grace_s``: how long open requests get at shutdown before their generations are cancelled;
+    ``stop_s``: how long they then get to end their responses before uvicorn cuts them.
 
     with ServerThread(create_app(queue)) as srv:
         OpenAI(base_url=srv.url + "/v1", api_key="none")
     """
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, quiet: bool = True,
-                 grace_s: float = GRACE_S) -> None:
+                 grace_s: float = GRACE_S, stop_s: float = STOP_S) -> None:
         self.host = host
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.port = self.sock.getsockname()[1]
         config = uvicorn.Config(app, log_level="warning" if quiet else "info", access_log=not quiet)
-        self.server = _Server(config, app.state.queue, grace_s)
+        self.server = _Server(config, app.state.queue, grace_s, stop_s)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
                                        name="specdraft-server")
 
@@ -440,6 +445,8 @@ def serve(queue: RequestQueue, host: str = "127.0.0.1", port: int = 8000, quiet:
     try:
         server.run()
     except KeyboardInterrupt:
+        pass
+    except SystemExit:  # uvicorn exits when it cannot start (the port is taken, ...); it has logged why
         pass
     if not server.started:  # uvicorn has logged why (the port is taken, ...)
         raise SpecdraftError(f"the server did not start on {host}:{port}")

@@ -17,7 +17,7 @@ from typing import Callable
 
 from specdraft.engine import Cancelled, Engine
 from specdraft.errors import SpecdraftError
-from specdraft.generate import GenerateConfig, GenerationResult
+from specdraft.generate import GenerateConfig, GenerationResult, check_budget
 from specdraft.verify import Sampling
 
 MIN_TEMPERATURE = 1e-4  # below this a request decodes greedily
@@ -43,6 +43,8 @@ class RequestQueue:
         if default_max_tokens < 1:
             raise SpecdraftError(f"--max-tokens must be >= 1 (got {default_max_tokens})")
         Sampling(temperature=default_temperature)  # a NaN, infinite or negative default fails here, not per request
+        if budget is not None:
+            check_budget(budget, target)  # likewise a --budget past the context
         self.engine = engine
         self.target = target
         self.drafter = engine.drafter
@@ -55,7 +57,7 @@ class RequestQueue:
         self._lock = threading.Lock()
         self._jobs: set[int] = set()  # ids of admitted jobs (running or waiting)
         self._cancels: dict[int, threading.Event] = {}
-        self._closed = False  # set by shutdown(): nothing more is admitted
+        self.closed = False  # set by shutdown(): nothing more is admitted
         self.running = False
         self.completed = 0  # generations that finished
         self.cancelled = 0  # generations stopped by their cancel flag
@@ -94,7 +96,7 @@ class RequestQueue:
         """Queue a generation; None when the queue is full (refuse the request)."""
         job = Job(ids, config, on_text)
         with self._lock:
-            if self._closed or len(self._jobs) >= self.capacity:
+            if self.closed or len(self._jobs) >= self.capacity:
                 return None
             self._jobs.add(id(job))
             self._cancels[id(job)] = job.cancel
@@ -134,7 +136,7 @@ class RequestQueue:
         in ``cancelled``, its slot is freed and its waiter hears ``Cancelled`` (cancelling the pool's
         futures instead would skip all three).  Idempotent; returns without waiting."""
         with self._lock:
-            self._closed = True
+            self.closed = True
             for ev in self._cancels.values():
                 ev.set()
         self._pool.shutdown(wait=False)

@@ -18,7 +18,7 @@ import torch
 from specdraft.drafters.base import Drafter, NoDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.target import Target
-from specdraft.verify import Sampling, argmax_rows, target_probs, verify
+from specdraft.verify import Sampling, argmax_rows, sample, verify
 
 
 @dataclass
@@ -104,7 +104,7 @@ def generate(
     if s.greedy:
         first = argmax_rows(last_logits[None])[0]
     else:
-        first = int(torch.multinomial(target_probs(last_logits, s), 1, generator=gen).item())
+        first = sample(last_logits, s, gen)
     stats.prefill_s = time.perf_counter() - t_start
 
     tokens: list[int] = []

@@ -52,26 +52,62 @@ class Accepted:
         return self.tokens + [self.bonus]
 
 
-def target_probs(logits: Tensor, s: Sampling) -> Tensor:
-    """Probabilities after temperature, top-k and top-p; logits [..., V]."""
-    logits = logits.float()
+CANDIDATES = 256  # top-p without top-k: the most likely tokens looked at first (all of them only if these hold < top-p)
+
+
+def candidates(logits: Tensor, s: Sampling) -> tuple[Tensor, Tensor]:
+    """The tokens the sampling transforms keep for one row of logits [V], most likely first, and their
+    probabilities [C] (summing to 1): temperature, then top-k (ties at the k-th value kept), then
+    top-p (a token is kept while the mass before it is below top-p).  Only the top-k or a few hundred
+    candidates are sorted, never the whole vocabulary."""
+    z = logits.float()
     if s.temperature < torch.finfo(torch.float32).tiny:  # not representable: the T -> 0 limit, one-hot
-        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        return z.argmax(-1, keepdim=True), torch.ones(1, device=z.device)
     # subtract the max first: with a tiny temperature the top logit stays 0 and the rest go to
     # -inf (a one-hot distribution) instead of inf - inf = NaN
-    logits = (logits - logits.amax(-1, keepdim=True)) / s.temperature
-    if s.top_k > 0 and s.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, s.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+    z = (z - z.amax()) / s.temperature
+    v = z.shape[-1]
+    if 0 < s.top_k < v:
+        vals, ids = torch.topk(z, s.top_k)  # sorted, most likely first
+        tied = z >= vals[-1]
+        if int(tied.sum()) > s.top_k:  # ties at the k-th value: all of them are kept
+            ids = tied.nonzero().flatten()
+            vals, order = torch.sort(z[ids], descending=True, stable=True)
+            ids = ids[order]
+        p = torch.softmax(vals, -1)
+    elif s.top_p < 1.0:
+        full = torch.softmax(z, -1)
+        c = min(v, CANDIDATES)
+        p, ids = torch.topk(full, c)
+        while c < v and float(p.sum()) < s.top_p:  # the nucleus reaches past the candidates: look at more
+            c = min(v, 8 * c)
+            p, ids = torch.topk(full, c)
+    else:
+        ids, p = torch.arange(v, device=z.device), torch.softmax(z, -1)
     if s.top_p < 1.0:
-        sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
-        # drop a token when the mass strictly before it already reaches top_p
-        drop = (sorted_p.cumsum(-1) - sorted_p) >= s.top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+        keep = (p.cumsum(-1) - p) < s.top_p  # drop a token when the mass strictly before it reaches top-p
+        p, ids = p[keep], ids[keep]
+    return ids, p / p.sum()
+
+
+def target_probs(logits: Tensor, s: Sampling) -> Tensor:
+    """Probabilities [..., V] after temperature, top-k and top-p (``candidates`` of every row)."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    out = torch.zeros(flat.shape, dtype=torch.float32, device=logits.device)
+    for row, lg in zip(out, flat):
+        ids, p = candidates(lg, s)
+        row[ids] = p
+    return out.view(logits.shape)
+
+
+def sample(logits: Tensor, s: Sampling, generator: torch.Generator | None) -> int:
+    """One token drawn from the target's distribution for one row of logits [V]: inverse CDF over
+    the kept candidates with one uniform draw (cheaper than ``torch.multinomial`` over the vocabulary)."""
+    ids, p = candidates(logits, s)
+    cdf = p.cumsum(-1)
+    u = torch.rand((), generator=generator, device=cdf.device) * cdf[-1]
+    i = min(int(torch.searchsorted(cdf, u, right=True)), len(ids) - 1)
+    return int(ids[i])
 
 
 def argmax_rows(logits: Tensor) -> list[int]:
@@ -98,8 +134,7 @@ def verify_greedy(tree: Tree, logits: Tensor) -> Accepted:
 def verify_sample(tree: Tree, logits: Tensor, s: Sampling, generator: torch.Generator | None) -> Accepted:
     node, path = 0, [0]
     while True:
-        probs = target_probs(logits[node], s)
-        x = int(torch.multinomial(probs, 1, generator=generator).item())
+        x = sample(logits[node], s, generator)  # only at the nodes the walk visits
         nxt = tree.child(node, x)
         if nxt is None:
             return Accepted(path=path, tokens=[tree.tokens[i] for i in path[1:]], bonus=x)

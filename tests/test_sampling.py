@@ -106,3 +106,33 @@ def test_tiny_temperatures_give_a_distribution_not_nan():
         p = target_probs(logits, Sampling(temperature=t, top_p=0.9, top_k=5))
         assert not torch.isnan(p).any() and torch.allclose(p.sum(-1), torch.ones(4))
         assert torch.equal(p.argmax(-1), logits.argmax(-1))
+
+
+def _reference_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """The transforms written plainly over the whole vocabulary: mask below the k-th logit, softmax,
+    sort everything and keep tokens while the mass before them is below top-p."""
+    z = (logits - logits.max()) / s.temperature
+    if s.top_k:
+        z = z.masked_fill(z < torch.topk(z, s.top_k).values[-1], float("-inf"))
+    p = torch.softmax(z, -1)
+    if s.top_p < 1:
+        sp, idx = torch.sort(p, descending=True)
+        sp = sp.masked_fill(sp.cumsum(-1) - sp >= s.top_p, 0.0)
+        p = torch.zeros_like(p).scatter(-1, idx, sp)
+    return p / p.sum()
+
+
+def test_candidate_sampling_equals_the_whole_vocabulary_definition():
+    """Only the top-k (or a few hundred candidates for top-p) are sorted; the kept tokens and their
+    probabilities are those of the plain definition (random logits: no ties at the cut)."""
+    g = torch.Generator().manual_seed(0)
+    settings = [Sampling(temperature=0.7, top_p=0.9), Sampling(temperature=1.0, top_k=5),
+                Sampling(temperature=0.8, top_k=3, top_p=0.6), Sampling(temperature=1.3),
+                Sampling(temperature=1.0, top_p=0.999), Sampling(temperature=0.5, top_k=40, top_p=0.95)]
+    for trial in range(60):
+        v = (50, 1000, 49152)[trial % 3]
+        logits = torch.randn(v, generator=g) * (0.2 + 8 * float(torch.rand(1, generator=g)))
+        for s in settings:
+            got, want = target_probs(logits, s), _reference_probs(logits, s)
+            assert torch.equal(got > 0, want > 0), (trial, s)
+            assert torch.allclose(got, want, rtol=0, atol=1e-6), (trial, s)

@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Callable, get_type_hints
 
 from specdraft.drafters.base import Drafter, NoDrafter
-from specdraft.drafters.block import BlockOptions, load_block
+from specdraft.drafters.block import BlockDrafter, BlockOptions, load_block
 from specdraft.drafters.budget import default_budget
 from specdraft.drafters.combine import WithNgram
-from specdraft.drafters.hybrid import HybridOptions, load_hybrid
+from specdraft.drafters.hybrid import HybridDrafter, HybridOptions, load_hybrid
 from specdraft.drafters.ngram import NgramDrafter
-from specdraft.drafters.phrase import PhraseOptions, load_phrase
+from specdraft.drafters.phrase import PhraseDrafter, PhraseOptions, load_phrase
 from specdraft.errors import SpecdraftError
 from specdraft.nn.checkpoint import checkpoint_kind, load_draft_model
 
@@ -52,7 +52,7 @@ class DrafterSpec:
 
 
 def _hybrid(name: str, summary: str, args: str) -> DrafterSpec:
-    return DrafterSpec(name, summary, HybridOptions, load_hybrid, 3, kind="hybrid",
+    return DrafterSpec(name, summary, HybridOptions, load_hybrid, HybridDrafter.default_budget, kind="hybrid",
                        weights=f"{name}_smollm2_135m.safetensors",
                        train=f"specdraft train hybrid {args} {DATA_HINT} --out {{path}}", lookup=True,
                        scale_with_curve=True)
@@ -60,8 +60,8 @@ def _hybrid(name: str, summary: str, args: str) -> DrafterSpec:
 
 def _block(name: str, summary: str, modes: int) -> DrafterSpec:
     # without a measured cost curve: 4 nodes on a CPU (a pass grows with its tokens there; the best
-    # budget measured on a 2-core CPU), 12 on a GPU (where 13 tokens cost about one)
-    return DrafterSpec(name, summary, BlockOptions, load_block, 4, kind="block", gpu_budget=12,
+    # budget measured on a 2-core CPU), the drafter's 12 on a GPU (where 13 tokens cost about one)
+    return DrafterSpec(name, summary, BlockOptions, load_block, 4, kind="block", gpu_budget=BlockDrafter.default_budget,
                        weights=f"{name}_smollm2_135m.safetensors", lookup=True,
                        train=f"specdraft train block --modes {modes} {DATA_HINT} --out {{path}}")
 
@@ -70,9 +70,9 @@ REGISTRY: dict[str, DrafterSpec] = {s.name: s for s in (
     DrafterSpec("none", "plain decoding: every pass verifies the root alone", NoOptions,
                 lambda target, ckpt, opts, name: NoDrafter(), 0),
     DrafterSpec("ngram", "prompt lookup as a tree (training-free): continuations of earlier n-gram matches", NoOptions,
-                lambda target, ckpt, opts, name: NgramDrafter(), 2, scale_with_curve=True),
+                lambda target, ckpt, opts, name: NgramDrafter(), NgramDrafter.default_budget, scale_with_curve=True),
     DrafterSpec("phrase", "MLP head over a vocabulary of 1-3 word phrases, expanded into one prefix tree with "
-                "prompt lookup", PhraseOptions, load_phrase, 6, kind="phrase", weights="phrase_smollm2_135m.safetensors",
+                "prompt lookup", PhraseOptions, load_phrase, PhraseDrafter.default_budget, kind="phrase", weights="phrase_smollm2_135m.safetensors",
                 train="specdraft train phrase --data data/smollm2 --out {path}"),
     _hybrid("gumiho", "Gumiho: serial Transformer steps for early tokens, parallel MLP heads for later ones",
             "--serial 2 --parallel 5 --serial-layers 2 --head-blocks 5 --head-grad 0 --distill 1.0 --feature-loss 1.0 "

@@ -25,6 +25,7 @@ from specdraft.drafters.registry import DRAFTERS, drafters_table
 from specdraft.engine import Engine
 from specdraft.errors import SpecdraftError
 from specdraft.generate import GenerateConfig
+from specdraft.model.fast import DEFAULT_PRECISION, PRECISIONS
 from specdraft.nn.phrase import FEATURE_LAYER
 from specdraft.server.queue import RequestQueue
 from specdraft.train.block import BlockTrainConfig, train_block
@@ -65,7 +66,8 @@ def _layers(text: str) -> tuple[int, ...]:
 
 def _engine(args, drafter: str = "none", budget: int | None = None) -> Engine:
     """The target of ``--target/--device/--dtype`` with ``drafter``: every command loads through here."""
-    return Engine.load(args.target, drafter, device=args.device, dtype=args.dtype, budget=budget)
+    return Engine.load(args.target, drafter, device=args.device, dtype=args.dtype, budget=budget,
+                       precision=args.precision)
 
 
 def _add_trainer_args(p, many: bool = False) -> None:
@@ -90,6 +92,9 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct GGUF), a .gguf file or an HF folder")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    p.add_argument("--precision", default=DEFAULT_PRECISION, choices=tuple(PRECISIONS),
+                   help="fast: 8-bit activations, bit-exact rows (speculative = plain decoding, token for token); "
+                        f"exact: fp32, equal to HF transformers within 1e-4 (default {DEFAULT_PRECISION})")
 
 
 def build_parser() -> argparse.ArgumentParser:

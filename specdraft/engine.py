@@ -18,6 +18,7 @@ from typing import Callable
 from specdraft.drafters import Drafter, NoDrafter, make_drafter
 from specdraft.errors import SpecdraftError
 from specdraft.generate import GenerateConfig, GenerationResult, check_budget, generate
+from specdraft.model.fast import DEFAULT_PRECISION
 from specdraft.target import Target
 
 
@@ -61,13 +62,13 @@ class Engine:
 
     @classmethod
     def load(cls, target: str = "default", drafter: str = "none", device: str = "cpu", dtype: str = "float32",
-             budget: int | None = None) -> "Engine":
+             budget: int | None = None, precision: str = DEFAULT_PRECISION) -> "Engine":
         """Load ``target`` ("default", a .gguf file or an HF folder) and build ``drafter`` (a registered
         name with options, ``NAME@key=value``, or a checkpoint path) for it; ``budget``: drafted nodes
-        per tree (None = the drafter's budget on this machine)."""
+        per tree (None = the drafter's budget on this machine); ``precision``: "fast" or "exact"."""
         if budget is not None and budget < 0:
             raise SpecdraftError(f"--budget must be >= 0 (got {budget})")
-        t = Target.load(target, device=device, dtype=dtype)
+        t = Target.load(target, device=device, dtype=dtype, precision=precision)
         engine = cls(t, make_drafter(drafter, t, budget=budget))
         check_budget(engine.drafter.default_budget, t)  # a bad NAME@budget=N or --budget fails here, not per request
         return engine

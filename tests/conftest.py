@@ -21,7 +21,7 @@ atexit.register(shutil.rmtree, os.environ["SPECDRAFT_CACHE"], ignore_errors=True
 from specdraft.model.load import LoadedWeights, build_model, load_hf_folder
 from specdraft.target import Target
 
-REAL_MODEL = {"default_weights", "default_target", "default_hf"}
+REAL_MODEL = {"default_weights", "default_target", "exact_target", "default_hf"}
 
 
 def pytest_collection_modifyitems(items):
@@ -90,10 +90,18 @@ def default_weights() -> LoadedWeights:
 
 @pytest.fixture(scope="session")
 def default_target(default_weights) -> Target:
-    target = Target.from_weights(default_weights)
+    target = Target.from_weights(default_weights)  # the default precision mode, "fast"
     # the measured floors and exact supports of the real-model tests were taken on the quantized kernel
     assert target.model.quantized_rows > 0, ("the quantized CPU kernel is unavailable (no compiler / ninja, or "
                                              "SPECDRAFT_QUANT=0): the real-model tests need it")
+    return target
+
+
+@pytest.fixture(scope="session")
+def exact_target(default_weights) -> Target:
+    """The default target in the exact precision mode (fp32 activations; the default is "fast")."""
+    target = Target.from_weights(default_weights, precision="exact")
+    assert target.precision == "exact" and target.model.quantized_rows > 0
     return target
 
 

@@ -76,14 +76,14 @@ def test_default_target_uses_the_blocks_and_decodes_the_same(default_weights):
     assert outs[0] == outs[1]
 
 
-def test_fused_blocks_match_the_python_blocks(default_target, monkeypatch):
+def test_fused_blocks_match_the_python_blocks(exact_target, monkeypatch):
     """The one-op C++ decoder block computes what the Python block does (its norms sum in another
     order, so equal to fp32 rounding, not to the bit): prefill, a tree pass (mask) and the features
     drafters read agree, every node's argmax is the same, and the fused op really runs."""
     from specdraft.model import llama
     from specdraft.tree import Tree
 
-    t = default_target
+    t = exact_target
     ids = t.encode_prompt("Write a Python function that checks whether a number is prime.")
     if len(ids) <= quant.QUANT_ROWS:
         ids = ids * 3
@@ -109,13 +109,13 @@ def test_fused_blocks_match_the_python_blocks(default_target, monkeypatch):
             assert torch.allclose(a.hidden[k], b.hidden[k], rtol=0, atol=1e-4 * float(scale)), k
 
 
-def test_fused_block_rows_do_not_depend_on_the_rest_of_the_pass(default_target):
+def test_fused_block_rows_do_not_depend_on_the_rest_of_the_pass(exact_target):
     """A node's logits in a tree pass equal one-token decoding of its path up to fp32 rounding:
     the fused block computes each row on its own (norms, RoPE, cache writes), so a wrong row or
     head order would show here as a large difference."""
     from specdraft.tree import Tree
 
-    t = default_target
+    t = exact_target
     ids = t.encode_prompt("def fib(n):\n    return n if n < 2 else fib(n-1) + fib(n-2)\nExplain this code.")
     toks = [198, 12, 345, 678, 910]
     t.prefill(ids, 512)
@@ -130,13 +130,13 @@ def test_fused_block_rows_do_not_depend_on_the_rest_of_the_pass(default_target):
     assert torch.equal(torch.stack(seq).argmax(-1), got.argmax(-1))
 
 
-def test_fused_blocks_in_left_padded_batches(default_target, monkeypatch):
+def test_fused_blocks_in_left_padded_batches(exact_target, monkeypatch):
     """Batched decoding (``batch.generate_batch``: rows of several sequences, a padding mask) takes
     the fused block too and gives the Python blocks' tokens."""
     from specdraft.model.batched_decode import generate_batch
     from specdraft.model import llama
 
-    t = default_target
+    t = exact_target
     prompts = [t.encode_prompt(p, raw=True) for p in ("The capital of France is", "1, 2, 3, 4,", "Once upon a")]
     outs, calls, fused_op = [], [], torch.ops.specdraft_quant.block
     for fused in (False, True):

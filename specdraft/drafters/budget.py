@@ -22,15 +22,17 @@ import torch
 
 from specdraft.model.load import cache_dir
 
-CURVE_VERSION = 3  # bumped whenever a pass's cost changes (2: fused quantized decoder blocks; 3: their glue as plain loops): older curves are stale
+CURVE_VERSION = 4  # bumped whenever a pass's cost changes (2: fused quantized decoder blocks; 3: their glue as plain
+# loops; 4: the fast precision mode, whose curves are stored apart from the exact mode's): older curves are stale
 
 
 def curve_path(target) -> Path:
-    """Where this machine's cost curve for ``target`` (as loaded: device, dtype, kernel, threads) lives."""
+    """Where this machine's cost curve for ``target`` (as loaded: device, dtype, precision / kernel, threads) lives."""
     dtype = str(target.model.embed.weight.dtype).replace("torch.", "")
     q = target.model.quantized_rows
-    name = (f"{target.weight_hash[:16]}_{target.device.type}_{dtype}{f'_q{q}' if q else ''}_t{torch.get_num_threads()}"
-            f"_e{CURVE_VERSION}.json")
+    mode = "fast" if target.model.precision == "fast" else (f"q{q}" if q else "")
+    name = (f"{target.weight_hash[:16]}_{target.device.type}_{dtype}{f'_{mode}' if mode else ''}"
+            f"_t{torch.get_num_threads()}_e{CURVE_VERSION}.json")
     return cache_dir() / "cost_curves" / name
 
 

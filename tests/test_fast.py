@@ -1,0 +1,195 @@
+"""The fast precision mode (``model.fast``): the kernel equals a reference written from its stated
+arithmetic, bit for bit; a row's result does not depend on the rest of the pass; a tree node's
+logits equal one-token decoding of its path bit for bit (tiny models and the default target); the
+portable implementation gives the same bits as the VNNI one; bad precision names are refused."""
+
+from __future__ import annotations
+
+import random
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+
+from specdraft.errors import SpecdraftError
+from specdraft.generate import GenerateConfig, generate
+from specdraft.model import fast, quant
+from specdraft.model.load import build_model, load_hf_folder
+from specdraft.target import Target
+from specdraft.tree import Tree
+
+from conftest import make_tiny_hf
+
+
+@pytest.fixture(autouse=True)
+def _vector_path():
+    yield
+    torch.ops.specdraft_quant.fast_set_portable(False)
+
+
+def _weight(kind: str, n: int, k: int, seed: int) -> tuple[fast.FastWeight, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 2  # rows of different scales
+    raw = quant.RawQuant(kind, k, quantize(w.numpy(), GGMLQuantizationType[kind]))
+    return fast.FastWeight.from_raw(raw), raw.dequantize()
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("n,k", [(16, 32), (40, 96), (96, 576), (24, 1536)])
+def test_kernel_equals_its_reference_bit_for_bit(kind, n, k):
+    assert quant.kernel_available()
+    fw, dense = _weight(kind, n, k, seed=n + k)
+    g = torch.Generator().manual_seed(1)
+    for m in (1, 3, 8, 13, 64):
+        x = torch.randn(m, k, generator=g) * 4
+        x[0, :32] = 0.0  # an all-zero block (d = 0)
+        y = fw(x)
+        assert torch.equal(y, fast.reference_linear(x, fw)), (kind, n, k, m)
+        # and it is the matmul it stands for, up to 8-bit activations
+        ref = x @ dense.T
+        assert (y - ref).abs().max() <= 0.03 * ref.abs().max()
+
+
+def test_weight_repacking_keeps_every_code_and_scale():
+    for kind in ("Q4_1", "Q8_0"):
+        fw, dense = _weight(kind, 40, 96, seed=3)
+        d, m = fw.scales()
+        rebuilt = fw.codes().float().view(40, 3, 32) * d[..., None]
+        if m is not None:
+            rebuilt = rebuilt + m[..., None]
+        assert torch.equal(rebuilt.view(40, 96), dense), kind
+
+
+def test_activation_quantization_equals_its_reference():
+    x = torch.randn(7, 96) * 3
+    x[2, 32:64] = 0.0
+    x[3, 5] = 1e4  # one outlier: its block's other values round to 0
+    q, d, sx = torch.ops.specdraft_quant.fast_quantize(x)
+    rq, rd, rsx = fast.reference_quantize(x)
+    assert torch.equal(q.long(), rq) and torch.equal(d, rd) and torch.equal(sx, rsx)
+    assert q.abs().max() <= 127
+
+
+def test_a_row_does_not_depend_on_the_rest_of_the_pass():
+    fw, _ = _weight("Q4_1", 48, 576, seed=5)
+    x = torch.randn(37, 576)
+    whole = fw(x)
+    for i in (0, 5, 17, 36):
+        assert torch.equal(fw(x[i : i + 1]), whole[i : i + 1])
+    assert torch.equal(fw(x[3:20]), whole[3:20])
+
+
+def test_portable_implementation_gives_the_same_bits():
+    op = torch.ops.specdraft_quant
+    for kind in ("Q4_1", "Q8_0"):
+        fw, _ = _weight(kind, 32, 576, seed=7)
+        x = torch.randn(9, 576)
+        vec = fw(x)
+        op.fast_set_portable(True)
+        port = fw(x)
+        op.fast_set_portable(False)
+        assert torch.equal(vec, port), kind
+
+
+def _random_tree(rng: random.Random, n: int, vocab: int) -> Tree:
+    parents = [-1] + [rng.randrange(i) for i in range(1, n)]
+    return Tree(tokens=[rng.randrange(vocab) for _ in range(n)], parents=parents)
+
+
+def _path(tree: Tree, node: int) -> list[int]:
+    path = []
+    while node != -1:
+        path.append(node)
+        node = tree.parents[node]
+    return path[::-1]
+
+
+def assert_tree_equals_sequential(t: Target, prompt: list[int], sizes, seed: int, nodes_checked: int = 6) -> None:
+    """For random trees of each size: every checked node's logits in the tree pass are torch.equal to
+    one-token passes over its path after the same prefill."""
+    rng = random.Random(seed)
+    slots = len(prompt) + max(sizes) + 2
+    for n in sizes:
+        tree = _random_tree(rng, n, t.config.vocab_size)
+        t.prefill(prompt, slots)
+        got = t.forward_tree(tree).logits[0]
+        for node in sorted(rng.sample(range(n), min(n, nodes_checked))):
+            t.prefill(prompt, slots)
+            for j in _path(tree, node):
+                logits = t.forward_tree(Tree(tokens=[tree.tokens[j]], parents=[-1])).logits[0, 0]
+                t.commit([0])
+            assert torch.equal(logits, got[node]), (n, node)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny_fast(request, tmp_path_factory) -> Target:
+    path = tmp_path_factory.mktemp(f"tiny_fast_{request.param}")
+    make_tiny_hf(request.param, path, scale=3.0)
+    w = load_hf_folder(path)
+    t = Target(build_model(w, precision="fast"), tokenizer=None, name=w.name, weight_hash=w.weight_hash)
+    assert t.precision == "fast"  # an HF folder's weights are rounded to Q8_0 blocks for this mode
+    return t
+
+
+def test_tree_equals_sequential_bit_for_bit_on_tiny_models(tiny_fast):
+    prompt = [5, 17, 3, 44, 9, 12, 80, 2]
+    assert_tree_equals_sequential(tiny_fast, prompt, sizes=(1, 2, 3, 5, 8, 16, 29, 48, 64), seed=0)
+
+
+def test_speculative_greedy_equals_plain_greedy_on_a_tiny_model(tiny_fast):
+    from test_speculative_greedy import RandomTreeDrafter
+
+    cfg = GenerateConfig(max_new_tokens=40)
+    for seed in range(4):
+        prompt = [random.Random(seed).randrange(2, 96) for _ in range(5)]
+        ref = generate(tiny_fast, prompt, None, cfg)
+        for width, depth, budget in ((3, 4, 12), (8, 8, 63)):
+            drafter = RandomTreeDrafter(seed, 96, ref.token_ids, width, depth, budget)
+            assert generate(tiny_fast, prompt, drafter, cfg).token_ids == ref.token_ids
+
+
+def test_tree_equals_sequential_bit_for_bit_on_the_default_target(default_target):
+    assert default_target.precision == "fast"
+    prompt = default_target.encode_prompt("def fib(n):\n    return n if n < 2 else fib(n-1) + fib(n-2)\nExplain it.")
+    assert_tree_equals_sequential(default_target, prompt, sizes=(1, 2, 4, 7, 16, 33, 64), seed=1, nodes_checked=4)
+
+
+def test_portable_mode_decodes_the_same_tokens(default_target):
+    """A CPU without VNNI runs the portable implementation: the same tokens, plain and speculative."""
+    t = default_target
+    ids = t.encode_prompt("List three prime numbers.")
+    cfg = GenerateConfig(max_new_tokens=12)
+    ref = generate(t, ids, None, cfg)
+    torch.ops.specdraft_quant.fast_set_portable(True)
+    assert generate(t, ids, None, cfg).token_ids == ref.token_ids
+
+
+def test_unknown_precision_is_refused(default_weights):
+    with pytest.raises(SpecdraftError, match="unknown precision 'fastest'"):
+        Target.load("default", precision="fastest")
+    with pytest.raises(SpecdraftError, match="unknown precision"):
+        build_model(default_weights, precision="int4")
+
+
+def test_a_model_the_fast_mode_cannot_run_stays_exact_with_one_warning(tmp_path):
+    make_tiny_hf("qwen3", tmp_path)  # q/k norm: not in the fast block
+    w = load_hf_folder(tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = build_model(w, precision="fast")
+    assert model.precision == "exact"
+    assert sum("fast precision mode is unavailable" in str(c.message) for c in caught) == 1
+
+
+def test_exact_mode_is_still_selectable(default_weights):
+    t = Target.from_weights(default_weights, precision="exact")
+    assert t.precision == "exact" and t.model.quantized_rows > 0
+
+
+def test_repacking_refuses_other_block_formats():
+    raw = quant.RawQuant("Q4_0", 32, np.zeros((16, 18), dtype=np.uint8))
+    with pytest.raises(ValueError, match="Q4_1 / Q8_0"):
+        fast.FastWeight.from_raw(raw)

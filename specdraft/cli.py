@@ -14,9 +14,10 @@ from pathlib import Path
 from specdraft.bench.acceptance import acceptance_sweep
 from specdraft.bench.batch_curve import batch_curve
 from specdraft.bench.chimeras import ChimeraConfig, chimera_report, format_summary
-from specdraft.bench.cost import measure_cost_curve
+from specdraft.bench.cost import PEER_PASSES, PREFILL_LENGTHS, measure_cost_curve, measure_prefill
 from specdraft.bench.coverage import coverage_report
-from specdraft.bench.report import format_table, write_report
+from specdraft.bench.llamacpp import find_binaries, pass_costs
+from specdraft.bench.report import format_cost_table, format_table, write_report
 from specdraft.bench.runner import plot_cost_curve, run_bench
 from specdraft.bench.stats import format_comparison
 from specdraft.chat import ChatSession, run_chat
@@ -26,6 +27,7 @@ from specdraft.engine import Engine
 from specdraft.errors import SpecdraftError
 from specdraft.generate import GenerateConfig
 from specdraft.model.fast import DEFAULT_PRECISION, PRECISIONS
+from specdraft.model.load import default_gguf_path
 from specdraft.nn.phrase import FEATURE_LAYER
 from specdraft.server.queue import RequestQueue
 from specdraft.train.block import BlockTrainConfig, train_block
@@ -117,13 +119,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     g.add_argument("--quiet", action="store_true", help="no stats line on stderr")
 
-    b = sub.add_parser("bench", help="benchmark against HF transformers generate() on the same prompts")
+    b = sub.add_parser("bench", help="benchmark against our plain decoding, llama.cpp and HF generate() on the same prompts")
     b.add_argument("--drafter", action="append", default=[], help="drafter to run (repeatable): " + DRAFTER_HELP)
     b.add_argument("--dataset", action="append", default=[], help="mtbench, humaneval, gsm or a .jsonl file (repeatable)")
     b.add_argument("--n", type=int, default=20, help="prompts per dataset")
     b.add_argument("--max-new-tokens", type=int, default=256)
     b.add_argument("--budget", type=int, default=None)
     b.add_argument("--out", default="bench_out", help="output folder (results.json, speedup.png)")
+    b.add_argument("--temperature", type=_finite, default=0.0, help="0 = greedy (default); > 0 samples (no HF / llama.cpp rows)")
+    b.add_argument("--top-p", type=_finite, default=1.0)
+    b.add_argument("--top-k", type=int, default=0)
+    b.add_argument("--seed", type=int, default=0, help="sampling seed")
+    b.add_argument("--llama-cpp", metavar="BIN_DIR", default=None,
+                   help="folder with llama.cpp's llama-server and llama-bench (scripts/build_llamacpp.sh builds them): "
+                        "adds llamacpp rows, and llama-bench's pass times to --cost-curve")
+    b.add_argument("--no-llamacpp-ngram", action="store_true", help="with --llama-cpp: skip the llamacpp_ngram row")
+    b.add_argument("--no-hf", action="store_true", help="skip the HF transformers reference row (hf_generate)")
+    b.add_argument("--hf-lookup", action="store_true", help="add HF generate() with prompt lookup (hf_prompt_lookup)")
     b.add_argument("--cost-curve", action="store_true", help="measure the target's pass time for N = 1..64 and store it")
     b.add_argument("--batch-curve", action="store_true", help="batched regeneration tok/s at batch 1, 8, 32, 64 vs single-stream")
     b.add_argument("--report", action="store_true",
@@ -330,15 +342,23 @@ def cmd_bench(args) -> None:
         print(f"wrote {write_report(args.out)}", file=sys.stderr)
         return
     if args.cost_curve:
+        binaries = find_binaries(args.llama_cpp) if args.llama_cpp else None  # a bad folder fails before any work
         target = _engine(args).target
         curve = measure_cost_curve(target, quiet=args.quiet)
         path = save_cost_curve(target, curve)
+        curve["prefill"] = measure_prefill(target, PREFILL_LENGTHS)
+        if binaries is not None:
+            gguf = str(default_gguf_path() if args.target in ("default", "") else args.target)
+            threads = curve["threads"]
+            curve["llamacpp"] = pass_costs(binaries, gguf, PEER_PASSES, threads)
+            curve["llamacpp_prefill"] = pass_costs(binaries, gguf, list(PREFILL_LENGTHS), threads)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "cost_curve.json").write_text(json.dumps(curve, indent=1))
         plot_cost_curve(curve, out / "cost_curve.png")
         picks = ", ".join(f"N={n}: {r:.2f}x" for n, r in zip(curve["n"], curve["ratio"]) if n in (1, 2, 4, 8, 16, 32, 64))
         print(f"cost curve stored in {path} ({picks} one token's {curve['ms'][0]:.1f} ms)", file=sys.stderr)
+        print(format_cost_table(curve))
         if not args.dataset:
             return
     if args.batch_curve:
@@ -354,8 +374,12 @@ def cmd_bench(args) -> None:
             return
     if not args.dataset:
         raise SpecdraftError("give at least one --dataset (mtbench, humaneval, gsm or a .jsonl file)")
+    sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     res = run_bench(args.drafter, args.dataset, n=args.n, max_new_tokens=args.max_new_tokens, out_dir=args.out,
-                    target_spec=args.target, device=args.device, budget=args.budget, quiet=args.quiet)
+                    target_spec=args.target, device=args.device, budget=args.budget, quiet=args.quiet,
+                    precision=args.precision, sampling=sampling, seed=args.seed, llama_cpp=args.llama_cpp,
+                    llama_cpp_ngram=not args.no_llamacpp_ngram, hf=not args.no_hf,
+                    hf_lookup=args.hf_lookup)
     print(format_table(res))
     print(f"wrote {Path(args.out) / 'results.json'} and {Path(args.out) / 'speedup.png'}", file=sys.stderr)
     if args.report:

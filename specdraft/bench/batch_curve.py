@@ -10,12 +10,24 @@ from __future__ import annotations
 import random
 import time
 
+import torch
 from tqdm import tqdm
 
-from specdraft.bench.runner import TIE_GAP, divergence
+from specdraft.bench.runner import TIE_GAP, first_divergence
 from specdraft.generate import GenerateConfig, generate
 from specdraft.model.batched_decode import generate_batch
 from specdraft.train.prompts import codeio_prompts, gsm_train_prompts, reasoning_prompts
+
+
+def divergence(target, prompt_ids: list[int], ours: list[int], ref: list[int], eos: int) -> dict | None:
+    """``first_divergence`` with our target's own top-2 logit gap there."""
+    div = first_divergence(ours, ref, eos)
+    if div is not None:
+        prefix = ref[: div["position"]]
+        out = target.prefill(prompt_ids + prefix, max_slots=len(prompt_ids) + len(prefix) + 1)
+        top = torch.topk(out.logits[0, -1], 2).values
+        div["top2_gap"] = float(top[0] - top[1])
+    return div
 
 
 def batch_curve(target, n_prompts: int = 64, max_new_tokens: int = 64, sizes=(1, 8, 32, 64), quiet: bool = False,

@@ -1,9 +1,9 @@
 """``specdraft bench --cost-curve``: the target's verification cost, the time of one pass over N
-tree tokens for N = 1..64.  Stored per machine (``drafters.budget``), where the budget policy reads it.
+tree tokens for N = 1..64, and the prefill time of 128- and 512-token prompts.  Stored per machine
+(``drafters.budget``), where the budget policy reads it.
 
-On a CPU a pass over N tokens costs more than one token (here, 8 tokens ~1.4x with packed
-weights, ~1.9x without), so a drafter's
-node budget must be sized to this machine.
+On a CPU a pass over N tokens costs more than one token, so a drafter's node budget must be sized
+to this machine.
 """
 
 from __future__ import annotations
@@ -16,8 +16,11 @@ from tqdm import tqdm
 
 from specdraft.tree import Tree
 
+PEER_PASSES = [1, 2, 4, 8, 16, 32, 64]  # llama-bench's pp N beside ours (--llama-cpp)
+PREFILL_LENGTHS = (128, 512)  # prompt lengths whose prefill time is reported (time to first token)
 
-def measure_cost_curve(target, max_n: int = 64, context: int = 256, repeats: int = 5, quiet: bool = False) -> dict:
+
+def measure_cost_curve(target, max_n: int = 64, context: int = 256, repeats: int = 9, quiet: bool = False) -> dict:
     """Median wall time (ms) of ``target.forward_tree`` on an N-node chain after ``context`` tokens."""
     vocab = target.config.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -38,4 +41,20 @@ def measure_cost_curve(target, max_n: int = 64, context: int = 256, repeats: int
     return {"target": target.name, "target_hash": target.weight_hash, "device": target.device.type,
             "threads": torch.get_num_threads(), "context": context, "n": ns, "ms": ms,
             "ratio": [m / ms[0] for m in ms], "packed_weights": bool(target.model.lm_head.packs),
-            "quantized_rows": target.model.quantized_rows}
+            "quantized_rows": target.model.quantized_rows, "precision": target.model.precision}
+
+
+def measure_prefill(target, lengths=PREFILL_LENGTHS, repeats: int = 3) -> dict:
+    """Median wall time (ms) of ``target.prefill`` on random prompts of each length."""
+    g = torch.Generator().manual_seed(1)
+    ms = []
+    for n in lengths:
+        prompt = torch.randint(100, target.config.vocab_size, (n,), generator=g).tolist()
+        target.prefill(prompt, max_slots=n + 1)  # warm-up
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            target.prefill(prompt, max_slots=n + 1)
+            times.append(time.perf_counter() - t)
+        ms.append(1000 * statistics.median(times))
+    return {"n": list(lengths), "ms": ms}

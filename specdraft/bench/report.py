@@ -66,7 +66,7 @@ def drafter_methods(results: dict) -> list[str]:
     seen: dict[str, None] = {}
     for d in results.get("datasets", {}).values():
         for m, v in d.get("methods", {}).items():
-            if m not in HF_METHODS and m != "greedy" and v.get("tokens_per_pass") is not None:
+            if m not in HF_METHODS and m not in ("greedy", "sample") and v.get("tokens_per_pass") is not None:
                 seen[m] = None
     return list(seen)
 
@@ -399,11 +399,46 @@ def write_report(out_dir: str | Path) -> Path:
 
 
 def format_table(res: dict) -> str:
-    lines = ["| dataset | method | tok/s | vs hf_generate | vs greedy | tokens/pass | exact_match |",
-             "|---|---|---|---|---|---|---|"]
+    """The results as a Markdown table: tok/s against our plain decoding (the baseline) and llama.cpp,
+    tokens per pass, exact_match (equal to our plain decoding; llama.cpp rows: agreement with it) and
+    hf_agreement (equal to HF fp32 greedy; the smallest top-2 gap at a divergence)."""
+    base = res["config"].get("baseline", "greedy")
+    methods = next(iter(res["datasets"].values()))["methods"] if res["datasets"] else {}
+    peer = "llamacpp" if "llamacpp" in methods else "hf_generate"
+    lines = [f"| dataset | method | tok/s | vs {base} | vs {peer} | tokens/pass | exact_match | hf_agreement |",
+             "|---|---|---|---|---|---|---|---|"]
     for ds, d in res["datasets"].items():
         for m, v in d["methods"].items():
             tpp = "-" if v["tokens_per_pass"] is None else f"{v['tokens_per_pass']:.2f}"
-            em = f"{v['exact_match']:.2f}" + ("" if v["exact_match"] == 1 or not v["divergences_all_ties"] else " (ties)")
-            lines.append(f"| {ds} | {m} | {v['tok_s']:.1f} | {v['speedup_vs_hf']:.2f}x | {v['speedup_vs_greedy']:.2f}x | {tpp} | {em} |")
+            em = v.get("exact_match")
+            em = (f"{em:.2f}" if em is not None else
+                  f"agrees {v['agrees_with_greedy']:.2f}" if v.get("agrees_with_greedy") is not None else "-")
+            ha = v.get("hf_agreement")
+            gap = v.get("hf_min_top2_gap")
+            ha = "-" if ha is None else f"{ha:.2f}" + ("" if gap is None else f" (min gap {gap:.3f})")
+            vs_peer = v.get(f"speedup_vs_{peer}")
+            vs_peer = "-" if vs_peer is None else f"{vs_peer:.2f}x"
+            lines.append(f"| {ds} | {m} | {v['tok_s']:.1f} | {v[f'speedup_vs_{base}']:.2f}x | {vs_peer} | {tpp} | {em} | {ha} |")
+    return "\n".join(lines)
+
+
+def format_cost_table(curve: dict) -> str:
+    """Pass times (ms) at 1..64 tokens and prefill times, ours and llama.cpp's when measured."""
+    peer, ns = curve.get("llamacpp"), [1, 2, 4, 8, 16, 32, 64]
+    ms = dict(zip(curve["n"], curve["ms"]))
+    ns = [n for n in ns if n in ms]
+    lines = ["| tokens in the pass | " + " | ".join(map(str, ns)) + " |", "|---|" + "---|" * len(ns),
+             f"| specdraft ({curve.get('precision', 'exact')}), ms | " + " | ".join(f"{ms[n]:.1f}" for n in ns) + " |",
+             "| relative to 1 token | " + " | ".join(f"{ms[n] / ms[1]:.2f}x" for n in ns) + " |"]
+    if peer:
+        pm = dict(zip(peer["n"], peer["ms"]))
+        lines.append("| llama.cpp (llama-bench), ms | " + " | ".join(f"{pm[n]:.1f}" if n in pm else "-" for n in ns) + " |")
+    pre = curve.get("prefill")
+    if pre:
+        lines += ["", "| prefill | " + " | ".join(f"{n} tokens" for n in pre["n"]) + " |", "|---|" + "---|" * len(pre["n"]),
+                  "| specdraft, ms | " + " | ".join(f"{m:.0f}" for m in pre["ms"]) + " |"]
+        lp = curve.get("llamacpp_prefill")
+        if lp:
+            lm = dict(zip(lp["n"], lp["ms"]))
+            lines.append("| llama.cpp, ms | " + " | ".join(f"{lm[n]:.0f}" if n in lm else "-" for n in pre["n"]) + " |")
     return "\n".join(lines)

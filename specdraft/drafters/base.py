@@ -12,6 +12,7 @@ from torch import Tensor
 
 from specdraft.errors import SpecdraftError
 from specdraft.model.llama import ForwardOutput
+from specdraft.model.packed import native_bf16
 from specdraft.nn.layers import DraftCache
 from specdraft.tree import Tree
 from specdraft.verify import Accepted
@@ -57,13 +58,31 @@ class TrainedOptions:
     """The ``NAME@key=value`` options every trained network drafter (hybrid, block) takes."""
 
     bf16: int = -1  # 1 = draft in bfloat16 with weights packed once, 0 = the target's dtype, -1 = 1 where the CPU has native bfloat16
+    int8: int = -1  # 1 = drafting matmuls on the fast kernel (Q8_0 weights, 8-bit activations; wins over bf16),
+    # 0 = off, -1 = 1 when the target runs in the fast precision mode
     ngram: int = 0  # tree nodes given to prompt-lookup candidates (0 = none; ``drafters.combine``)
 
     def __post_init__(self) -> None:
         if self.bf16 not in (-1, 0, 1):
             raise SpecdraftError(f"option bf16 must be 0 or 1 (got {self.bf16})")
+        if self.int8 not in (-1, 0, 1):
+            raise SpecdraftError(f"option int8 must be 0 or 1 (got {self.int8})")
         if self.ngram < 0:
             raise SpecdraftError(f"option ngram must be >= 0 (tree nodes given to prompt lookup; got {self.ngram})")
+
+
+def prepare_network(model, target, options: TrainedOptions):
+    """A drafter network ready to draft for ``target``: its matmuls on the fast kernel (``options.int8``;
+    by default when the target runs in the fast mode), else in bfloat16 with packed weights
+    (``options.bf16``; by default where the CPU has native bfloat16), else as loaded.  Drafting is
+    lossless whatever its arithmetic: the target verifies."""
+    if options.int8 == 1 or (options.int8 < 0 and target.precision == "fast"):
+        if model.prepack(int8=True):
+            return model
+    if options.bf16 == 1 or (options.bf16 < 0 and native_bf16(target.device)):
+        model = model.to(torch.bfloat16)  # RoPE angles stay fp32 (DraftModel.inv_freq is no buffer)
+        model.prepack()  # oneDNN reorders each weight once, not per call
+    return model
 
 
 class TrainedDrafter:

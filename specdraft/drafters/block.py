@@ -30,10 +30,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specdraft.drafters.base import TrainedDrafter, TrainedOptions
+from specdraft.drafters.base import TrainedDrafter, TrainedOptions, prepare_network
 from specdraft.errors import SpecdraftError
 from specdraft.model.llama import ForwardOutput
-from specdraft.model.packed import native_bf16
 from specdraft.nn.block import BlockModel, modes_mask
 from specdraft.nn.checkpoint import DraftCheckpoint
 from specdraft.search import ddtree, mixture_tree
@@ -152,10 +151,5 @@ class BlockDrafter(TrainedDrafter):
 
 
 def load_block(target, ckpt: DraftCheckpoint, options: BlockOptions, name: str | None) -> BlockDrafter:
-    """The registry's builder: the checkpoint's network, in bfloat16 with packed weights where asked
-    (``options.bf16``; by default where the CPU has native bfloat16)."""
-    model = ckpt.model
-    if options.bf16 == 1 or (options.bf16 < 0 and native_bf16(target.device)):
-        model = model.to(torch.bfloat16)  # the drafting matmuls read half the bytes (lossless: the target verifies)
-        model.prepack()  # and oneDNN reorders each weight once, not per call
-    return BlockDrafter(model, options, name=name, manifest=ckpt.manifest)
+    """The registry's builder: the checkpoint's network on the fast kernel or in bfloat16 (``prepare_network``)."""
+    return BlockDrafter(prepare_network(ckpt.model, target, options), options, name=name, manifest=ckpt.manifest)

@@ -30,10 +30,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from specdraft.drafters.base import TrainedDrafter, TrainedOptions
+from specdraft.drafters.base import TrainedDrafter, TrainedOptions, prepare_network
 from specdraft.errors import SpecdraftError
 from specdraft.model.llama import ForwardOutput
-from specdraft.model.packed import native_bf16
 from specdraft.nn.checkpoint import DraftCheckpoint
 from specdraft.nn.hybrid import HybridModel
 from specdraft.tree import Tree
@@ -252,11 +251,5 @@ class HybridDrafter(TrainedDrafter):
 
 
 def load_hybrid(target, ckpt: DraftCheckpoint, options: HybridOptions, name: str | None) -> HybridDrafter:
-    """The registry's builder: the checkpoint's network, in bfloat16 with packed weights where asked
-    (``options.bf16``; by default where the CPU has native bfloat16)."""
-    model = ckpt.model
-    bf16 = int(native_bf16(target.device)) if options.bf16 < 0 else options.bf16
-    if bf16:
-        model = model.to(torch.bfloat16)  # RoPE angles stay fp32 (DraftModel.inv_freq is no buffer)
-        model.prepack()  # oneDNN reorders each weight once, not per call
-    return HybridDrafter(model, options, name=name, manifest=ckpt.manifest)
+    """The registry's builder: the checkpoint's network on the fast kernel or in bfloat16 (``prepare_network``)."""
+    return HybridDrafter(prepare_network(ckpt.model, target, options), options, name=name, manifest=ckpt.manifest)

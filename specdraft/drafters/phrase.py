@@ -20,6 +20,7 @@ from specdraft.nn.checkpoint import DraftCheckpoint
 from specdraft.nn.phrase import FEATURE_LAYER, PhraseHead, PhraseVocab
 from specdraft.tree import Tree
 from specdraft.verify import Accepted
+from specdraft.model.fast import kernel_ready, quantize_linears
 
 
 @dataclass
@@ -86,5 +87,10 @@ class PhraseDrafter:
 
 
 def load_phrase(target, ckpt: DraftCheckpoint, options: PhraseOptions, name: str | None) -> PhraseDrafter:
-    """The registry's builder: the head reads the target's (frozen) token embeddings."""
-    return PhraseDrafter(ckpt.model, ckpt.vocab, target.model.embed.weight.detach(), options, ckpt.manifest)
+    """The registry's builder: the head reads the target's (frozen) token embeddings; with a target in
+    the fast precision mode its matmuls run on the fast kernel too (Q8_0 weights; lossless either way,
+    the target verifies)."""
+    model = ckpt.model
+    if target.precision == "fast" and kernel_ready():
+        quantize_linears(model)
+    return PhraseDrafter(model, ckpt.vocab, target.model.embed.weight.detach(), options, ckpt.manifest)

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from specdraft.model.quant import RawQuant
+from specdraft.model.quant import RawQuant, kernel_available
 
 KINDS = {"Q4_1": 0, "Q8_0": 1}
 DEFAULT_PRECISION = "fast"
@@ -79,6 +79,17 @@ class FastWeight:
         qs = c.transpose(0, 1, 3, 2, 4)  # [g, nb, j, lane, i]
         return cls(1, n, k, torch.from_numpy(np.ascontiguousarray(qs).reshape(g, nb, 512)), d, None)
 
+    @classmethod
+    def from_dense(cls, w: Tensor) -> "FastWeight":
+        """A float matrix [rows, cols] (cols a multiple of 32) rounded to Q8_0 blocks (as llama.cpp's
+        quantizer does) and repacked: for drafter networks, which have no GGUF blocks."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import quantize
+
+        k = w.shape[1]
+        data = quantize(w.detach().float().cpu().numpy(), GGMLQuantizationType.Q8_0)
+        return cls.from_raw(RawQuant("Q8_0", k, data))
+
     def args(self) -> tuple:
         """(qs, d, m, kind, rows), the order the C++ ops take a weight in."""
         return (self.qs, self.d, self.m, self.kind, self.rows)
@@ -105,6 +116,39 @@ class FastWeight:
         def rows(t: Tensor) -> Tensor:
             return t.view(torch.float16).float().permute(0, 2, 1).reshape(-1, t.shape[1])[: self.rows]
         return rows(self.d), None if self.m is None else rows(self.m)
+
+
+class QuantLinear(nn.Module):
+    """Stand-in for an ``nn.Linear`` at inference: its weight rounded to Q8_0 and multiplied on the fast
+    kernel (8-bit activations); output in the input's dtype.  ``weight`` and ``bias`` stay readable."""
+
+    def __init__(self, lin: nn.Linear) -> None:
+        super().__init__()
+        self.weight, self.bias = lin.weight, lin.bias
+        self.in_features, self.out_features = lin.in_features, lin.out_features
+        self.mm = FastWeight.from_dense(lin.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.mm(x).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+def quantize_linears(module: nn.Module) -> int:
+    """Replace every ``nn.Linear`` under ``module`` whose input width is a multiple of 32 by a
+    ``QuantLinear``; returns how many."""
+    n = 0
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear) and child.in_features % 32 == 0:
+            setattr(module, name, QuantLinear(child))
+            n += 1
+        else:
+            n += quantize_linears(child)
+    return n
+
+
+def kernel_ready() -> bool:
+    """Whether the fast kernel is compiled and loaded (``model.quant.kernel_available``)."""
+    return kernel_available() and hasattr(torch.ops.specdraft_quant, "fast_linear")
 
 
 def q8_blocks(state_dict: dict[str, Tensor]) -> dict[str, RawQuant]:

@@ -246,6 +246,9 @@ def build_model(w: LoadedWeights, device: str = "cpu", dtype: torch.dtype = torc
         if model.set_precision("fast" if ok else "exact") != "fast":
             warnings.warn(f"specdraft: the fast precision mode is unavailable for {w.name} on {device} "
                           f"({dtype}); using the exact mode", stacklevel=2)
+        elif not torch.ops.specdraft_quant.fast_vnni():
+            warnings.warn("specdraft: this CPU has no AVX-512 VNNI; the fast mode runs its portable "
+                          "implementation (the same tokens, slower)", stacklevel=2)
     return model
 
 

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from specdraft.errors import SpecdraftError
 from specdraft.model.llama import RMSNorm, apply_rope
+from specdraft.model.fast import FastWeight
 from specdraft.model.packed import PackedWeight
 from specdraft.nn.layers import DraftLayer, DraftModel, TargetShape
 
@@ -77,12 +78,13 @@ class BlockModel(DraftModel):
             self.gate = nn.Linear(h, 1, bias=False)  # score of mode k = w . (final state of mode k's root row)
         self._kv: list | None = None  # per layer PackedWeight of the K/V rows of wqkv
 
-    def prepack(self) -> bool:
+    def prepack(self, int8: bool = False) -> bool:
         """``DraftModel.prepack``, plus the K/V rows of every layer's wqkv (the context's KV injection)."""
-        if not super().prepack():
+        if not super().prepack(int8):
             return False
         q_rows = self.cfg.num_heads * self.cfg.head_dim
-        self._kv = [PackedWeight(layer.wqkv.weight[q_rows:]) for layer in self.layers]
+        make = FastWeight.from_dense if int8 else PackedWeight
+        self._kv = [make(layer.wqkv.weight[q_rows:]) for layer in self.layers]
         return True
 
     def context(self, feats: Tensor) -> Tensor:

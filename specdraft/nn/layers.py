@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdraft.model.llama import RMSNorm, apply_rope, rope_inv_freq, rope_rotation
+from specdraft.model.fast import FastWeight, kernel_ready, quantize_linears
 from specdraft.model.packed import prepack_model
 
 
@@ -126,16 +127,25 @@ class DraftModel(nn.Module):
             self.inv_freq = self.inv_freq.to(positions.device)
         return rope_rotation(positions, self.inv_freq)
 
-    def prepack(self) -> bool:
-        """Inference on a bfloat16 CPU: let oneDNN reorder every weight once (``model.packed``)
-        instead of on every call.  Returns whether it did."""
+    def prepack(self, int8: bool = False) -> bool:
+        """Get ready for inference on a CPU: with ``int8``, every linear layer and the head on the fast
+        kernel (weights rounded to Q8_0, 8-bit activations: ``model.fast``); otherwise, on a bfloat16
+        CPU, let oneDNN reorder every weight once (``model.packed``) instead of on every call.
+        Returns whether it did either."""
+        if int8:
+            if not kernel_ready():
+                return False
+            quantize_linears(self)
+            self._head = FastWeight.from_dense(self.head_w)
+            return True
         self._head = prepack_model(self, self.head_w)
         return self._head is not None
 
     def logits(self, h: Tensor) -> Tensor:
         """[..., H] -> [..., V'] scores over the draft vocabulary (frozen LM-head rows)."""
         h2 = h.reshape(-1, h.shape[-1])  # one matmul, not a batched one
-        return (F.linear(h2, self.head_w) if self._head is None else self._head(h2)).view(*h.shape[:-1], -1)
+        y = F.linear(h2, self.head_w) if self._head is None else self._head(h2).to(h2.dtype)
+        return y.view(*h.shape[:-1], -1)
 
 
 class DraftCache:

@@ -291,3 +291,13 @@ def test_bad_drafter_checkpoints_give_one_error_line(capsys, tmp_path, default_t
         lines = [line for line in err.strip().splitlines() if line.strip()]
         assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), (what, err)
         assert re.search(needle, lines[0]), (what, lines[0])
+
+
+def test_unknown_precision(capsys):
+    rc, _, err = run_cli(capsys, "generate", "--precision", "turbo", "hi")
+    assert_one_line_error(rc, err, "turbo")
+
+
+def test_bench_with_a_missing_llama_cpp_folder(capsys, tmp_path):
+    rc, _, err = run_cli(capsys, "bench", "--cost-curve", "--llama-cpp", str(tmp_path / "nope"))
+    assert_one_line_error(rc, err, "build_llamacpp.sh")

@@ -193,3 +193,15 @@ def test_repacking_refuses_other_block_formats():
     raw = quant.RawQuant("Q4_0", 32, np.zeros((16, 18), dtype=np.uint8))
     with pytest.raises(ValueError, match="Q4_1 / Q8_0"):
         fast.FastWeight.from_raw(raw)
+
+
+def test_left_padded_batches_equal_single_stream_in_the_fast_mode(default_target):
+    """Batched plain decoding (rows of several sequences, left padding, a padding mask) gives each
+    sequence exactly its single-stream tokens: its rows never see another row's arithmetic."""
+    from specdraft.model.batched_decode import generate_batch
+
+    t = default_target
+    prompts = [t.encode_prompt(p, raw=True) for p in ("The capital of France is", "1, 2, 3, 4,", "Once upon a time")]
+    batched = generate_batch(t.model, prompts, 16, t.eos_ids).tokens
+    single = [generate(t, p, None, GenerateConfig(max_new_tokens=16)).token_ids for p in prompts]
+    assert batched == single

@@ -80,7 +80,7 @@ def run_bench(
     hf: bool = True,
     hf_lookup: bool = False,
 ) -> dict:
-    """``drafters`` and our plain decoding (``greedy``, or ``sample`` with ``sampling``) on ``n`` prompts
+    """``drafters`` and our plain decoding (``greedy``, or ``sample`` and ``greedy`` with ``sampling``) on ``n`` prompts
     of each dataset; HF ``generate()`` (greedy runs, ``hf``) and llama.cpp (``llama_cpp``: the folder of
     its binaries; greedy runs) beside them.  Writes OUT/results.json and OUT/speedup.png."""
     if n < 1:
@@ -98,8 +98,10 @@ def run_bench(
     hf_model = build_hf_model(weights, device=device) if hf and greedy else None
     base = "greedy" if greedy else "sample"
     ours = [base] + [d for d in dict.fromkeys(drafters) if d not in ("none", "greedy", "sample")]
+    if not greedy:
+        ours.append("greedy")  # plain greedy beside plain sampling: what sampling costs, in the same run
     # one engine per method (reset before every generation); an unknown drafter fails before any work
-    engine_of = {m: Engine(target, make_drafter("none" if m == base else m, target)) for m in ours}
+    engine_of = {m: Engine(target, make_drafter("none" if m in (base, "greedy") else m, target)) for m in ours}
     peers = list(LLAMACPP_METHODS if llama_cpp_ngram else LLAMACPP_METHODS[:1]) if binaries else []
     methods = ours + peers + ([] if hf_model is None else list(HF_METHODS if hf_lookup else HF_METHODS[:1]))
     eos = target.eos_ids
@@ -124,7 +126,8 @@ def run_bench(
                         r = srv.complete(ids, max_new_tokens)
                 return {"tokens": r["tokens"], "wall_s": r["wall_s"], "tokens_per_pass": None,
                         "draft_n": r.get("draft_n"), "draft_n_accepted": r.get("draft_n_accepted")}
-            gcfg = GenerateConfig(max_new_tokens=max_new_tokens, budget=budget, sampling=sampling, seed=seed)
+            gcfg = GenerateConfig(max_new_tokens=max_new_tokens, budget=budget, seed=seed,
+                                  sampling=Sampling() if method == "greedy" else sampling)
             r = engine_of[method].generate(ids, gcfg)
             return {"tokens": r.token_ids, "wall_s": r.stats.wall_s, "tokens_per_pass": r.stats.tokens_per_pass,
                     "passes": r.stats.passes, "committed": r.stats.committed, "accept_hist": r.stats.accept_hist,

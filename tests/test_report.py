@@ -158,3 +158,35 @@ def test_bench_tokens_per_pass_pools_tokens_and_passes_over_prompts():
     exact = [{**row("d", 2.0, 3, 8), "committed": 7}, {**row("d", 1.0, 5, 6), "committed": 5}]
     agg = summarize(rows[:4] + exact, ["hf_generate", "greedy", "d"])
     assert agg["d"]["committed"] == 12 and agg["d"]["tokens_per_pass"] == pytest.approx(12 / 8)
+
+
+def test_report_names_the_command_that_made_the_results():
+    from specdraft.bench.report import bench_command
+
+    res = {"config": {"drafters": ["ngram"], "n": 5, "max_new_tokens": 64, "precision": "exact",
+                      "llama_cpp": "~/bin/llama-server", "sampling": {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "seed": 3},
+                      "budget": None},
+           "datasets": {"gsm": {}, "mtbench": {}}}
+    assert bench_command(res) == ("specdraft bench --llama-cpp ~/bin --drafter ngram --dataset gsm --dataset mtbench "
+                                  "--n 5 --max-new-tokens 64 --temperature 0.7 --top-p 0.9 --seed 3 --precision exact")
+    res["config"].update(llama_cpp=None, sampling={"temperature": 0.0}, precision="fast", budget=4)
+    assert bench_command(res) == "specdraft bench --drafter ngram --dataset gsm --dataset mtbench --n 5 --max-new-tokens 64 --budget 4"
+
+
+def test_bench_rows_hold_the_lossless_promise_and_the_agreements_apart():
+    from specdraft.bench.runner import _rows, summarize
+
+    got = {"greedy": {"tokens": [5, 6, 7], "wall_s": 1.0, "tokens_per_pass": 1.0},
+           "d": {"tokens": [5, 6, 8], "wall_s": 0.5, "tokens_per_pass": 2.0},  # a lossless bug: must show
+           "llamacpp": {"tokens": [5, 6, 7], "wall_s": 2.0, "tokens_per_pass": None}}
+    rows = _rows(0, got, list(got), "greedy", True, [1, 2], None, 0)
+    by = {r["method"]: r for r in rows}
+    assert by["greedy"]["exact_match"] is True and by["d"]["exact_match"] is False
+    assert by["llamacpp"]["exact_match"] is None and by["llamacpp"]["agrees_with_greedy"] is True
+    assert all(r["hf_agreement"] is None for r in rows)  # no HF reference in this run
+    agg = summarize(rows, list(got))
+    assert agg["d"]["exact_match"] == 0.0 and agg["llamacpp"]["exact_match"] is None
+    assert agg["d"]["speedup_vs_greedy"] == 2.0 and agg["greedy"]["speedup_vs_llamacpp"] == 2.0
+    # sampling: only plain sampling itself has an exact_match (speculation draws other random numbers)
+    rows = _rows(0, {"sample": got["greedy"], "d": got["d"]}, ["sample", "d"], "sample", False, [1], None, 0)
+    assert [r["exact_match"] for r in rows] == [True, None]

@@ -341,9 +341,7 @@ def write_report(out_dir: str | Path) -> Path:
     if results is not None:
         cfg = results.get("config", {})
         md += [f"Source: `results.json` ({_config_line(cfg)}).", "",
-               f"Command: `specdraft bench {' '.join('--drafter ' + d for d in cfg.get('drafters', []))} "
-               f"{' '.join('--dataset ' + d for d in results['datasets'])} --n {cfg.get('n', '?')} "
-               f"--max-new-tokens {cfg.get('max_new_tokens', '?')}`", "",
+               f"Command: `{bench_command(results)}`", "",
                "## Speed", "", "tok/s = all new tokens / all wall time (prefill included); tokens/pass = tokens "
                "committed by the target passes after prefill / those passes.", ""]
         try:
@@ -396,6 +394,26 @@ def write_report(out_dir: str | Path) -> Path:
     path = out / "report.md"
     path.write_text("\n".join(md))
     return path
+
+
+def bench_command(results: dict) -> str:
+    """The ``specdraft bench`` command line that produced ``results`` (from its stored config)."""
+    cfg = results.get("config", {})
+    parts = ["specdraft bench"]
+    if cfg.get("llama_cpp"):
+        parts.append(f"--llama-cpp {Path(cfg['llama_cpp']).parent}")
+    parts += [f"--drafter {d}" for d in cfg.get("drafters", [])]
+    parts += [f"--dataset {d}" for d in results.get("datasets", {})]
+    parts.append(f"--n {cfg.get('n', '?')} --max-new-tokens {cfg.get('max_new_tokens', '?')}")
+    smp = cfg.get("sampling") or {}
+    if smp.get("temperature"):
+        parts.append(f"--temperature {smp['temperature']} --top-p {smp.get('top_p', 1.0)}"
+                     + (f" --top-k {smp['top_k']}" if smp.get("top_k") else "") + f" --seed {smp.get('seed', 0)}")
+    if cfg.get("precision") == "exact":
+        parts.append("--precision exact")
+    if cfg.get("budget") is not None:
+        parts.append(f"--budget {cfg['budget']}")
+    return " ".join(parts)
 
 
 def format_table(res: dict) -> str:

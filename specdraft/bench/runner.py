@@ -143,7 +143,7 @@ def run_bench(
                                     "tie_gap": TIE_GAP, "baseline": base,
                                     "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p,
                                                  "top_k": sampling.top_k, "seed": seed},
-                                    "llama_cpp": str(binaries.server) if binaries else None,
+                                    "llama_cpp": _home_relative(binaries.server) if binaries else None,
                                     "llama_cpp_ngram": ngram_args() if "llamacpp_ngram" in peers else None,
                                     "budgets": {m: (budget if budget is not None else e.drafter.default_budget)
                                                 for m, e in engine_of.items()},
@@ -165,6 +165,14 @@ def run_bench(
     (out / "results.json").write_text(json.dumps(results, indent=1))
     plot_results(results, out / "speedup.png")
     return results
+
+
+def _home_relative(path: Path) -> str:
+    """``path`` with the user's home folder written as ``~`` (results files name no personal folder)."""
+    try:
+        return "~/" + str(Path(path).relative_to(Path.home()))
+    except ValueError:
+        return str(path)
 
 
 def _rows(i: int, got: dict, methods: list[str], base: str, greedy: bool, ids: list[int], hf_model, eos0: int) -> list[dict]:

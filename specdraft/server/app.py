@@ -31,7 +31,7 @@ from typing import Literal
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -232,6 +232,10 @@ def create_app(queue: RequestQueue, max_body_bytes: int = MAX_BODY_BYTES) -> Fas
     async def health():
         return {"status": "ok", "model": queue.model_id, "drafter": queue.drafter.name,
                 "context": queue.context, "queue": queue.load()}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(queue.metrics.text(queue.load()), media_type="text/plain; version=0.0.4")
 
     def model_card() -> dict:
         return {"id": queue.model_id, "object": "model", "created": created, "owned_by": "specdraft",

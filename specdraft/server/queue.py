@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import secrets
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
@@ -18,6 +19,7 @@ from typing import Callable
 from specdraft.engine import Cancelled, Engine
 from specdraft.errors import SpecdraftError
 from specdraft.generate import GenerateConfig, GenerationResult, check_budget
+from specdraft.server.metrics import Metrics
 from specdraft.verify import Sampling
 
 MIN_TEMPERATURE = 1e-4  # below this a request decodes greedily
@@ -30,6 +32,7 @@ class Job:
     on_text: Callable[[str], None] | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
     future: Future | None = None
+    admitted: float = field(default_factory=time.perf_counter)  # when it entered the queue (metrics: TTFT)
 
 
 class RequestQueue:
@@ -62,6 +65,7 @@ class RequestQueue:
         self.completed = 0  # generations that finished
         self.cancelled = 0  # generations stopped by their cancel flag
         self.failed = 0
+        self.metrics = Metrics()  # GET /metrics
 
     @property
     def context(self) -> int:
@@ -117,8 +121,10 @@ class RequestQueue:
             if job.cancel.is_set():
                 raise Cancelled()
             self.running = True
+            started = time.perf_counter()
             r = self.engine.generate(job.prompt_ids, job.config, on_text=job.on_text, cancel=job.cancel)
             self.completed += 1
+            self.metrics.observe(r.stats, queued_s=started - job.admitted)
             return r
         except Cancelled:
             self.cancelled += 1

@@ -26,6 +26,8 @@ if [[ ! -d "$OUT/src" ]]; then
   rm -rf "$OUT/unpack" "$OUT/dl"
 fi
 cmake -S "$OUT/src" -B "$OUT/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
-  -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >"$OUT/cmake.log"
-cmake --build "$OUT/build" -j "$(nproc)" --target llama-server llama-bench >"$OUT/build.log"
+  -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >"$OUT/cmake.log" 2>&1 \
+  || { echo "build_llamacpp: cmake configure failed, see $OUT/cmake.log" >&2; exit 1; }
+cmake --build "$OUT/build" -j "$(nproc)" --target llama-server llama-bench >"$OUT/build.log" 2>&1 \
+  || { echo "build_llamacpp: the build failed, see $OUT/build.log" >&2; exit 1; }
 echo "$BIN"

@@ -96,7 +96,8 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     p.add_argument("--precision", default=DEFAULT_PRECISION, choices=tuple(PRECISIONS),
                    help="fast: 8-bit activations, bit-exact rows (speculative = plain decoding, token for token); "
-                        f"exact: fp32, equal to HF transformers within 1e-4 (default {DEFAULT_PRECISION})")
+                        "exact: fp32, equal to HF transformers within 1e-4 (default: fast where it can run, "
+                        "on the CPU in float32, else exact)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,7 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-new-tokens", type=int, default=256)
     b.add_argument("--budget", type=int, default=None)
     b.add_argument("--out", default="bench_out", help="output folder (results.json, speedup.png)")
-    b.add_argument("--temperature", type=_finite, default=0.0, help="0 = greedy (default); > 0 samples (no HF / llama.cpp rows)")
+    b.add_argument("--temperature", type=_finite, default=0.0,
+                   help="0 = greedy (default); > 0 samples (plain greedy is added for reference; no HF rows, "
+                        "and not with --llama-cpp)")
     b.add_argument("--top-p", type=_finite, default=1.0)
     b.add_argument("--top-k", type=int, default=0)
     b.add_argument("--seed", type=int, default=0, help="sampling seed")
@@ -343,6 +346,8 @@ def cmd_bench(args) -> None:
         return
     if args.cost_curve:
         binaries = find_binaries(args.llama_cpp) if args.llama_cpp else None  # a bad folder fails before any work
+        if binaries is not None and args.target not in ("default", "") and not args.target.endswith(".gguf"):
+            raise SpecdraftError("--llama-cpp needs a GGUF target (the default or a .gguf file)")
         target = _engine(args).target
         curve = measure_cost_curve(target, quiet=args.quiet)
         path = save_cost_curve(target, curve)

@@ -62,7 +62,7 @@ class Engine:
 
     @classmethod
     def load(cls, target: str = "default", drafter: str = "none", device: str = "cpu", dtype: str = "float32",
-             budget: int | None = None, precision: str = DEFAULT_PRECISION) -> "Engine":
+             budget: int | None = None, precision: str | None = DEFAULT_PRECISION) -> "Engine":
         """Load ``target`` ("default", a .gguf file or an HF folder) and build ``drafter`` (a registered
         name with options, ``NAME@key=value``, or a checkpoint path) for it; ``budget``: drafted nodes
         per tree (None = the drafter's budget on this machine); ``precision``: "fast" or "exact"."""

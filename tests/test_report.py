@@ -161,16 +161,19 @@ def test_bench_tokens_per_pass_pools_tokens_and_passes_over_prompts():
 
 
 def test_report_names_the_command_that_made_the_results():
-    from specdraft.bench.report import bench_command
+    from specdraft.bench.report import bench_command_line as bench_command
 
     res = {"config": {"drafters": ["ngram"], "n": 5, "max_new_tokens": 64, "precision": "exact",
                       "llama_cpp": "~/bin/llama-server", "sampling": {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "seed": 3},
-                      "budget": None},
+                      "budget": None, "llama_cpp_ngram": ["--spec-type"], "hf": True},
            "datasets": {"gsm": {}, "mtbench": {}}}
     assert bench_command(res) == ("specdraft bench --llama-cpp ~/bin --drafter ngram --dataset gsm --dataset mtbench "
                                   "--n 5 --max-new-tokens 64 --temperature 0.7 --top-p 0.9 --seed 3 --precision exact")
-    res["config"].update(llama_cpp=None, sampling={"temperature": 0.0}, precision="fast", budget=4)
-    assert bench_command(res) == "specdraft bench --drafter ngram --dataset gsm --dataset mtbench --n 5 --max-new-tokens 64 --budget 4"
+    res["config"].update(llama_cpp=None, sampling={"temperature": 0.0}, precision="fast", budget=4, hf=False)
+    assert bench_command(res) == ("specdraft bench --drafter ngram --dataset gsm --dataset mtbench --n 5 "
+                                  "--max-new-tokens 64 --budget 4 --no-hf")
+    del res["config"]["precision"]  # results from before the fast mode
+    assert "--precision exact" in bench_command(res)
 
 
 def test_bench_rows_hold_the_lossless_promise_and_the_agreements_apart():

@@ -136,3 +136,14 @@ def test_candidate_sampling_equals_the_whole_vocabulary_definition():
             got, want = target_probs(logits, s), _reference_probs(logits, s)
             assert torch.equal(got > 0, want > 0), (trial, s)
             assert torch.allclose(got, want, rtol=0, atol=1e-6), (trial, s)
+
+
+def test_a_top_p_below_float32_range_keeps_the_most_likely_token():
+    """top-p 1e-256 is valid (in (0, 1]) but rounds to 0 in float32: the nucleus is then the top token,
+    not empty (it once was, and the server answered 500)."""
+    from specdraft.verify import Sampling, candidates, sample
+
+    logits = torch.tensor([0.5, 3.0, 1.0, -2.0])
+    ids, p = candidates(logits, Sampling(temperature=1.0, top_p=1.477982095968267e-256))
+    assert ids.tolist() == [1] and p.tolist() == [1.0]
+    assert sample(logits, Sampling(temperature=1.0, top_p=1e-300), torch.Generator().manual_seed(0)) == 1

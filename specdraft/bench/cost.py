@@ -48,6 +48,7 @@ def measure_prefill(target, lengths=PREFILL_LENGTHS, repeats: int = 3) -> dict:
     """Median wall time (ms) of ``target.prefill`` on random prompts of each length."""
     g = torch.Generator().manual_seed(1)
     ms = []
+    lengths = [n for n in lengths if n < target.config.max_position]  # a prompt must fit the context
     for n in lengths:
         prompt = torch.randint(100, target.config.vocab_size, (n,), generator=g).tolist()
         target.prefill(prompt, max_slots=n + 1)  # warm-up

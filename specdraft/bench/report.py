@@ -341,7 +341,7 @@ def write_report(out_dir: str | Path) -> Path:
     if results is not None:
         cfg = results.get("config", {})
         md += [f"Source: `results.json` ({_config_line(cfg)}).", "",
-               f"Command: `{bench_command(results)}`", "",
+               f"Command: `{bench_command_line(results)}`", "",
                "## Speed", "", "tok/s = all new tokens / all wall time (prefill included); tokens/pass = tokens "
                "committed by the target passes after prefill / those passes.", ""]
         try:
@@ -396,12 +396,18 @@ def write_report(out_dir: str | Path) -> Path:
     return path
 
 
-def bench_command(results: dict) -> str:
+def bench_command_line(results: dict) -> str:
     """The ``specdraft bench`` command line that produced ``results`` (from its stored config)."""
     cfg = results.get("config", {})
     parts = ["specdraft bench"]
+    if cfg.get("target") and cfg.get("target_spec", "default") != "default":
+        parts.append(f"--target {cfg['target_spec']}")
+    if cfg.get("device", "cpu") != "cpu":
+        parts.append(f"--device {cfg['device']}")
     if cfg.get("llama_cpp"):
         parts.append(f"--llama-cpp {Path(cfg['llama_cpp']).parent}")
+        if cfg.get("llama_cpp_ngram") is None:
+            parts.append("--no-llamacpp-ngram")
     parts += [f"--drafter {d}" for d in cfg.get("drafters", [])]
     parts += [f"--dataset {d}" for d in results.get("datasets", {})]
     parts.append(f"--n {cfg.get('n', '?')} --max-new-tokens {cfg.get('max_new_tokens', '?')}")
@@ -409,10 +415,14 @@ def bench_command(results: dict) -> str:
     if smp.get("temperature"):
         parts.append(f"--temperature {smp['temperature']} --top-p {smp.get('top_p', 1.0)}"
                      + (f" --top-k {smp['top_k']}" if smp.get("top_k") else "") + f" --seed {smp.get('seed', 0)}")
-    if cfg.get("precision") == "exact":
+    if cfg.get("precision", "exact") == "exact":  # results from before the fast mode ran exact
         parts.append("--precision exact")
     if cfg.get("budget") is not None:
         parts.append(f"--budget {cfg['budget']}")
+    if cfg.get("hf") is False:
+        parts.append("--no-hf")
+    if cfg.get("hf_lookup"):
+        parts.append("--hf-lookup")
     return " ".join(parts)
 
 

@@ -76,9 +76,9 @@ def prepare_network(model, target, options: TrainedOptions):
     by default when the target runs in the fast mode), else in bfloat16 with packed weights
     (``options.bf16``; by default where the CPU has native bfloat16), else as loaded.  Drafting is
     lossless whatever its arithmetic: the target verifies."""
-    if options.int8 == 1 or (options.int8 < 0 and target.precision == "fast"):
-        if model.prepack(int8=True):
-            return model
+    int8 = options.int8 == 1 or (options.int8 < 0 and target.precision == "fast")
+    if int8 and target.device.type == "cpu" and model.prepack(int8=True):  # the fast kernel is CPU code
+        return model
     if options.bf16 == 1 or (options.bf16 < 0 and native_bf16(target.device)):
         model = model.to(torch.bfloat16)  # RoPE angles stay fp32 (DraftModel.inv_freq is no buffer)
         model.prepack()  # oneDNN reorders each weight once, not per call

@@ -15,12 +15,12 @@ import torch
 
 from specdraft.drafters.ngram import NgramDrafter
 from specdraft.errors import SpecdraftError
+from specdraft.model.fast import kernel_ready, quantize_linears
 from specdraft.model.llama import ForwardOutput
 from specdraft.nn.checkpoint import DraftCheckpoint
 from specdraft.nn.phrase import FEATURE_LAYER, PhraseHead, PhraseVocab
 from specdraft.tree import Tree
 from specdraft.verify import Accepted
-from specdraft.model.fast import kernel_ready, quantize_linears
 
 
 @dataclass

@@ -256,7 +256,8 @@ static inline void gtile(const W& w, int64_t g, const QRows& x, int64_t m0, floa
     if (KIND == 0) mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w.mn + gb)));
     for (int t = 0; t < T; ++t) {
       const int64_t xb = (m0 + t) * NB + b;
-      const int32_t* xq = (const int32_t*)(x.q.data() + xb * 32);
+      int32_t xq[8];  // the block's 32 int8 as 8 groups of 4 (memcpy: no aliasing through int8 storage)
+      std::memcpy(xq, x.q.data() + xb * 32, 32);
       __m512i s = KIND == 0 ? _mm512_setzero_si512() : _mm512_set1_epi32(x.negc[xb]);
       for (int j = 0; j < 8; ++j) s = _mm512_dpbusd_epi32(s, wv[j], _mm512_set1_epi32(xq[j]));
       acc[t] = _mm512_add_ps(acc[t], _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(x.dx[xb]))));
@@ -309,6 +310,7 @@ static void linear_q(const QRows& x, int64_t M, const W& w, float* y, int64_t ld
 static W weight(const at::Tensor& qs, const at::Tensor& d, const std::optional<at::Tensor>& mn, int64_t N, int64_t K,
                 int64_t kind) {
   TORCH_CHECK(kind == 0 || kind == 1, "fast weight: kind 0 (Q4_1) or 1 (Q8_0)");
+  TORCH_CHECK(qs.is_cpu() && d.is_cpu() && (!mn || mn->is_cpu()), "fast weight: CPU tensors");
   TORCH_CHECK(K % 32 == 0 && N > 0, "fast weight: K a multiple of 32");
   const int64_t NB = K / 32, G = (N + 15) / 16;
   W w{nullptr, nullptr, nullptr, N, K, NB, G, kind};
@@ -470,7 +472,7 @@ static void silu_rows(const float* gu, int64_t M, int64_t inter, float* out) {
 // ------------------------------------------------------------------ ops
 at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const std::optional<at::Tensor>& mn,
                   int64_t kind, int64_t N) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "fast linear: x [M, K] fp32");
+  TORCH_CHECK(x.is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat, "fast linear: x [M, K] fp32 on the CPU");
   at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1);
   W w = weight(qs, d, mn, N, K, kind);
@@ -483,7 +485,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d
 
 // The activation quantization alone: (q int8 [M, K], d [M, K/32], sx [M, K/32]), for tests.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % 32 == 0, "fast quantize: x [M, K] fp32, 32 | K");
+  TORCH_CHECK(x.is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % 32 == 0,
+              "fast quantize: x [M, K] fp32 on the CPU, 32 | K");
   at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1);
   QRows qx;
@@ -500,6 +503,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& x) {
 std::tuple<at::Tensor, at::Tensor> head(const at::Tensor& x, const at::Tensor& norm_w, double eps, const at::Tensor& qs,
                                         const at::Tensor& d, const std::optional<at::Tensor>& mn, int64_t kind,
                                         int64_t N, bool want_logits) {
+  TORCH_CHECK(x.is_cpu() && x.scalar_type() == at::kFloat && norm_w.is_cpu() && norm_w.scalar_type() == at::kFloat &&
+                  norm_w.numel() == x.size(-1), "fast head: x [..., H] and norm_w [H], fp32 on the CPU");
   at::Tensor xc = x.contiguous();
   const int64_t H = xc.size(-1), M = xc.numel() / H;
   at::Tensor normed = at::empty_like(xc);
@@ -527,19 +532,27 @@ at::Tensor block(const at::Tensor& x_in, const at::Tensor& qkv_qs, const at::Ten
                  const std::optional<at::Tensor>& dn_m, int64_t dn_kind, int64_t dn_n,
                  const at::Tensor& rot, const std::optional<at::Tensor>& mask, const at::Tensor& kv, int64_t start,
                  double eps, int64_t hq, int64_t hkv, int64_t D) {
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 3, "fast block: x [B, T, H] fp32");
-  TORCH_CHECK(kv.scalar_type() == at::kFloat && kv.is_contiguous() && kv.size(4) == D, "fast block: contiguous fp32 cache");
+  TORCH_CHECK(x_in.is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() == 3, "fast block: x [B, T, H] fp32 on the CPU");
   TORCH_CHECK(D % 16 == 0 && hq % hkv == 0, "fast block: head size a multiple of 16");
   at::Tensor x = x_in.contiguous();
   const int64_t B = x.size(0), T = x.size(1), H = x.size(2), M = B * T, qsz = hq * D, ksz = hkv * D, G = hq / hkv;
   const int64_t S = start + T, half = D / 2;
-  TORCH_CHECK(S <= kv.size(3), "fast block: the pass does not fit in the cache");
+  TORCH_CHECK(kv.is_cpu() && kv.scalar_type() == at::kFloat && kv.is_contiguous() && kv.dim() == 5 && kv.size(0) == 2 &&
+                  kv.size(1) == B && kv.size(2) == hkv && kv.size(4) == D,
+              "fast block: a contiguous fp32 cache [2, B, Hkv, S, D] on the CPU");
+  TORCH_CHECK(start >= 0 && S <= kv.size(3), "fast block: the pass does not fit in the cache");
+  TORCH_CHECK(!s_attn || (s_attn->is_contiguous() && s_attn->numel() == H && s_attn->scalar_type() == at::kFloat),
+              "fast block: s_attn [H] fp32");
+  TORCH_CHECK(!s_mlp || (s_mlp->is_contiguous() && s_mlp->numel() == H && s_mlp->scalar_type() == at::kFloat),
+              "fast block: s_mlp [H] fp32");
   W wqkv = weight(qkv_qs, qkv_d, qkv_m, qkv_n, H, qkv_kind), wo = weight(o_qs, o_d, o_m, o_n, qsz, o_kind);
   W wgu = weight(gu_qs, gu_d, gu_m, gu_n, H, gu_kind);
   const int64_t inter = wgu.N / 2;
   W wd = weight(dn_qs, dn_d, dn_m, dn_n, inter, dn_kind);
   const int64_t nqkv = wqkv.N;
   TORCH_CHECK(nqkv == qsz + 2 * ksz && wo.N == H && wd.N == H, "fast block: projection shapes");
+  TORCH_CHECK(!bqkv || (bqkv->is_contiguous() && bqkv->numel() == nqkv && bqkv->scalar_type() == at::kFloat),
+              "fast block: bqkv [Hq*D + 2*Hkv*D] fp32");
   at::Tensor rc = rot.contiguous();
   TORCH_CHECK(rc.scalar_type() == at::kFloat && rc.numel() == M * half * 2, "fast block: rot [B, T, D/2, 2] fp32");
   const float* rp = rc.data_ptr<float>();

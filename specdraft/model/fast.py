@@ -7,13 +7,13 @@ Q8_0: w = d_w c).  Per block,
 
     sum_j w_j x_j  ~=  d_w d_x sum_j c_j q_j  (+ m_w d_x sum_j q_j  for Q4_1),
 
-with sum_j c_j q_j an exact int32 (AVX-512 VNNI ``vpdpbusd`` multiplies 4 byte pairs per lane).  Two
-blocks fill the 16 int32 lanes of a register, and the float sum runs per lane over the blocks in
-order and then over the lanes in one fixed tree (``fast.cpp`` states it exactly; ``reference_linear``
-below is the same arithmetic in torch).  Attention takes each row's visible slots in slot order, and
-the norms, RoPE, SiLU and residuals are row-by-row loops.  So a row's result depends on nothing but
-the row: a tree node's logits are bit-identical to a one-token pass over its path, and speculative
-greedy equals plain greedy in this mode with no exception for ties.
+with sum_j c_j q_j an exact int32 (AVX-512 VNNI ``vpdpbusd`` multiplies 4 byte pairs per lane).  One
+register holds 16 weight rows; 8 ``vpdpbusd`` sum a whole block in each row's lane, and each row's float
+sum then runs over its blocks in order, with no lane reductions (``fast.cpp`` states it exactly;
+``reference_linear`` below is the same arithmetic in torch).  Attention takes each row's visible slots
+in slot order, and the norms, RoPE, SiLU and residuals are row-by-row loops.  So a row's result
+depends on nothing but the row: a tree node's logits are bit-identical to a one-token pass over its
+path, and speculative greedy equals plain greedy in this mode with no exception for ties.
 
 What it does not promise: equality with HF's fp32 model.  Rounding the activations to 8 bits moves
 the logits (as llama.cpp's do), so greedy output can differ from the exact mode's where two tokens
@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from specdraft.model.quant import RawQuant, kernel_available
 
 KINDS = {"Q4_1": 0, "Q8_0": 1}
-DEFAULT_PRECISION = "fast"
+DEFAULT_PRECISION = None  # fast where it can run (the CPU, float32, a supported architecture), else exact
 PRECISIONS = {  # --precision: what each mode promises
     "fast": "8-bit activations against the GGUF's blocks (llama.cpp's arithmetic); bit-exact per row, so "
             "speculative output equals this mode's plain decoding token for token",
@@ -167,10 +167,10 @@ def q8_blocks(state_dict: dict[str, Tensor]) -> dict[str, RawQuant]:
     return out
 
 
-def rotation_table(max_positions: int, inv_freq: Tensor) -> Tensor:
-    """(cos, sin) of every position's RoPE angles, fp32 [max_positions, D/2, 2]: a pass looks its rows
-    up, so a position's rotation is the same bits whatever the pass."""
-    pos = torch.arange(max_positions, dtype=torch.float32)
+def rotation_table(max_positions: int, inv_freq: Tensor, start: int = 0) -> Tensor:
+    """(cos, sin) of the RoPE angles of positions ``start .. max_positions-1``, fp32 [N, D/2, 2]: a pass
+    looks its rows up, so a position's rotation is the same bits whatever the pass."""
+    pos = torch.arange(start, max_positions, dtype=torch.float32)
     freqs = pos[:, None] * inv_freq.float()[None]
     return torch.view_as_real(torch.polar(torch.ones_like(freqs), freqs)).contiguous()
 

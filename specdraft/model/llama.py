@@ -434,10 +434,16 @@ class Transformer(nn.Module):
         arithmetic its own, whatever the pass."""
         cfg, op = self.cfg, torch.ops.specdraft_quant
         x = self.embed(tokens)  # [B, T, H]: rows of the fp32 table, copied
-        rot = self._rot_table[positions]  # [B, T, D/2, 2]: looked up, not computed per pass
+        need = int(positions.max()) + 1
+        have = self._rot_table.shape[0]
+        if need > have:  # a tree past the context end: more rows, the ones there unchanged
+            self._rot_table = torch.cat([self._rot_table, rotation_table(max(need, 2 * have), self.inv_freq, start=have)])
+        rot = self._rot_table[positions.clamp(min=0)]  # [B, T, D/2, 2]: looked up, not computed per pass
         hidden: dict[int, Tensor] = {}
         if 0 in hidden_layers:
             hidden[0] = x
+        if mask is not None and mask.shape[0] != tokens.shape[0]:  # one mask for every row of a batch, as SDPA broadcasts
+            mask = mask.expand(tokens.shape[0], *mask.shape[1:])
         for i, (block, kv) in enumerate(zip(self.blocks, cache.layers)):
             x = op.fast_block(x, *block.fast, rot, mask, kv, start, cfg.rms_eps, cfg.num_heads, cfg.num_kv_heads,
                               cfg.head_dim)

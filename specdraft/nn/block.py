@@ -31,8 +31,8 @@ import torch
 from torch import Tensor, nn
 
 from specdraft.errors import SpecdraftError
-from specdraft.model.llama import RMSNorm, apply_rope
 from specdraft.model.fast import FastWeight
+from specdraft.model.llama import RMSNorm, apply_rope
 from specdraft.model.packed import PackedWeight
 from specdraft.nn.layers import DraftLayer, DraftModel, TargetShape
 
@@ -76,7 +76,7 @@ class BlockModel(DraftModel):
         self.mode_emb = nn.Parameter(torch.randn(cfg.modes, h) * std)  # [K, H]
         if cfg.gate:
             self.gate = nn.Linear(h, 1, bias=False)  # score of mode k = w . (final state of mode k's root row)
-        self._kv: list | None = None  # per layer PackedWeight of the K/V rows of wqkv
+        self._kv: list | None = None  # per layer the K/V rows of wqkv as a PackedWeight or FastWeight (prepack)
 
     def prepack(self, int8: bool = False) -> bool:
         """``DraftModel.prepack``, plus the K/V rows of every layer's wqkv (the context's KV injection)."""

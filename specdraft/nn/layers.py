@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specdraft.model.llama import RMSNorm, apply_rope, rope_inv_freq, rope_rotation
 from specdraft.model.fast import FastWeight, kernel_ready, quantize_linears
+from specdraft.model.llama import RMSNorm, apply_rope, rope_inv_freq, rope_rotation
 from specdraft.model.packed import prepack_model
 
 
@@ -116,7 +116,7 @@ class DraftModel(nn.Module):
         self.register_buffer("embed", embed.detach(), persistent=False)  # [V, H]
         self.register_buffer("head_w", lm_head.detach()[self.vocab_ids].contiguous(), persistent=False)  # [V', H]
         self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta)  # fp32, not a buffer: .to(dtype) keeps it fp32
-        self._head = None  # PackedWeight of head_w once prepack() ran
+        self._head = None  # head_w as a PackedWeight (bf16) or FastWeight (int8) once prepack() ran
 
     def n_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

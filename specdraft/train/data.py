@@ -145,6 +145,10 @@ def build_data(target, out_dir: str | Path, cfg: BuildConfig | None = None, quie
     if manifest is not None:
         if manifest["target_hash"] != target.weight_hash:
             raise SpecdraftError(f"{out} holds data of target {manifest['target_name']!r}, not the loaded target")
+        built = manifest.get("precision", "exact")  # folders from before the fast mode were built exact
+        if built != target.precision:
+            raise SpecdraftError(f"{out} holds responses decoded in the {built} precision mode; resume it with "
+                                 f"--precision {built} (the loaded target runs {target.precision})")
         prompts = read_prompts(ppath)
         cfg = BuildConfig(**{**asdict(cfg), **manifest["config"], "sources": tuple(manifest["config"]["sources"]),
                              "exclude": tuple(manifest["config"].get("exclude", ()))})
@@ -166,7 +170,8 @@ def build_data(target, out_dir: str | Path, cfg: BuildConfig | None = None, quie
             p.id = i
         _write_prompts(ppath, prompts)
         manifest = {
-            "target_name": target.name, "target_hash": target.weight_hash, "version": project_version(),
+            "target_name": target.name, "target_hash": target.weight_hash, "precision": target.precision,
+            "version": project_version(),
             "config": {**asdict(cfg), "sources": list(cfg.sources), "exclude": list(cfg.exclude)},
             "sources": _source_summary(prompts),
             "prompts_sha256": hashlib.sha256(ppath.read_bytes()).hexdigest(),

@@ -304,7 +304,7 @@ def _cost_section(curve: dict, results: dict | None, out: Path) -> list[str]:
             f"many tokens; `ngram`'s default budget is the largest tree costing at most 1.5x one token: "
             f"{budget} drafted nodes (trained drafters pick theirs from their own acceptance profile). "
             f"The crosses are the drafters' measured tokens per pass at the tree size they ran with.", "",
-            "![node budget](budget_curve.png)", ""]
+            "![node budget](budget_curve.png)", "", format_cost_table(curve), ""]
 
 
 def _batch_section(bc: dict) -> list[str]:

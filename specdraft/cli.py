@@ -16,7 +16,7 @@ from specdraft.bench.batch_curve import batch_curve
 from specdraft.bench.chimeras import ChimeraConfig, chimera_report, format_summary
 from specdraft.bench.cost import PEER_PASSES, PREFILL_LENGTHS, measure_cost_curve, measure_prefill
 from specdraft.bench.coverage import coverage_report
-from specdraft.bench.llamacpp import find_binaries, pass_costs
+from specdraft.bench.llamacpp import find_binaries, pass_costs, target_gguf
 from specdraft.bench.report import format_cost_table, format_table, write_report
 from specdraft.bench.runner import plot_cost_curve, run_bench
 from specdraft.bench.stats import format_comparison
@@ -27,7 +27,6 @@ from specdraft.engine import Engine
 from specdraft.errors import SpecdraftError
 from specdraft.generate import GenerateConfig
 from specdraft.model.fast import DEFAULT_PRECISION, PRECISIONS
-from specdraft.model.load import default_gguf_path
 from specdraft.nn.phrase import FEATURE_LAYER
 from specdraft.server.queue import RequestQueue
 from specdraft.train.block import BlockTrainConfig, train_block
@@ -346,14 +345,12 @@ def cmd_bench(args) -> None:
         return
     if args.cost_curve:
         binaries = find_binaries(args.llama_cpp) if args.llama_cpp else None  # a bad folder fails before any work
-        if binaries is not None and args.target not in ("default", "") and not args.target.endswith(".gguf"):
-            raise SpecdraftError("--llama-cpp needs a GGUF target (the default or a .gguf file)")
+        gguf = target_gguf(args.target) if binaries is not None else None
         target = _engine(args).target
         curve = measure_cost_curve(target, quiet=args.quiet)
         path = save_cost_curve(target, curve)
         curve["prefill"] = measure_prefill(target, PREFILL_LENGTHS)
         if binaries is not None:
-            gguf = str(default_gguf_path() if args.target in ("default", "") else args.target)
             threads = curve["threads"]
             curve["llamacpp"] = pass_costs(binaries, gguf, PEER_PASSES, threads)
             curve["llamacpp_prefill"] = pass_costs(binaries, gguf, list(PREFILL_LENGTHS), threads)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdraft.errors import SpecdraftError
+from specdraft.model.load import default_gguf_path
 
 BUILD_HINT = "bash scripts/build_llamacpp.sh"
 SERVER_NAME = "llama-server"
@@ -105,6 +106,16 @@ def find_binaries(bin_dir: str | Path) -> LlamaCpp:
     if not folder.is_dir():
         raise SpecdraftError(f"llama.cpp binaries folder {folder} not found: build it with `{BUILD_HINT}`")
     return LlamaCpp(server=_check_binary(folder / SERVER_NAME), bench=_check_binary(folder / BENCH_NAME))
+
+
+def target_gguf(target_spec: str | None) -> str:
+    """The GGUF file llama.cpp runs for our ``--target`` ("default" or a .gguf file); anything else
+    (an HF folder) is refused with one line."""
+    if target_spec in ("default", "", None):
+        return str(default_gguf_path())
+    if not str(target_spec).endswith(".gguf"):
+        raise SpecdraftError("--llama-cpp needs a GGUF target (the default or a .gguf file)")
+    return str(target_spec)
 
 
 def ngram_args() -> list[str]:

@@ -28,14 +28,14 @@ import torch
 from tqdm import tqdm
 
 from specdraft.bench.hf import build_hf_model, hf_generate
-from specdraft.bench.llamacpp import LlamaServer, find_binaries, ngram_args
+from specdraft.bench.llamacpp import LlamaServer, find_binaries, ngram_args, target_gguf
 from specdraft.datasets import load_prompts
 from specdraft.drafters import make_drafter
 from specdraft.engine import Engine
 from specdraft.errors import SpecdraftError
 from specdraft.generate import GenerateConfig
 from specdraft.model.fast import DEFAULT_PRECISION
-from specdraft.model.load import default_gguf_path, load_weights
+from specdraft.model.load import load_weights
 from specdraft.target import Target
 from specdraft.verify import Sampling
 
@@ -91,8 +91,7 @@ def run_bench(
         raise SpecdraftError("--llama-cpp rows are greedy: run them without --temperature")
     prompts_by_ds = {ds: load_prompts(ds, n) for ds in datasets}  # fail fast on a bad dataset
     binaries = find_binaries(llama_cpp) if llama_cpp else None  # a missing / broken binary: one error line
-    if binaries is not None and target_spec not in ("default", "", None) and not str(target_spec).endswith(".gguf"):
-        raise SpecdraftError("--llama-cpp needs a GGUF target (the default or a .gguf file)")
+    gguf = target_gguf(target_spec) if binaries is not None else None
     weights = load_weights(target_spec)  # loaded once: our target and the HF reference share them
     target = Target.from_weights(weights, device=device, precision=precision)
     hf_model = build_hf_model(weights, device=device) if hf and greedy else None
@@ -107,7 +106,6 @@ def run_bench(
     eos = target.eos_ids
     eos0 = min(eos)
     threads = torch.get_num_threads()
-    gguf = str(default_gguf_path() if target_spec in ("default", "", None) else target_spec)
     servers = {}
     try:
         if "llamacpp" in peers:  # started once; each request runs alone (no prompt cache), interleaved with ours

@@ -15,8 +15,9 @@ import torch
 
 from specdraft.drafters.ngram import NgramDrafter
 from specdraft.errors import SpecdraftError
-from specdraft.model.fast import kernel_ready, quantize_linears
+from specdraft.model.fast import quantize_linears
 from specdraft.model.llama import ForwardOutput
+from specdraft.model.quant import kernel_available
 from specdraft.nn.checkpoint import DraftCheckpoint
 from specdraft.nn.phrase import FEATURE_LAYER, PhraseHead, PhraseVocab
 from specdraft.tree import Tree
@@ -91,6 +92,6 @@ def load_phrase(target, ckpt: DraftCheckpoint, options: PhraseOptions, name: str
     the fast precision mode its matmuls run on the fast kernel too (Q8_0 weights; lossless either way,
     the target verifies)."""
     model = ckpt.model
-    if target.precision == "fast" and kernel_ready():
+    if target.precision == "fast" and kernel_available():
         quantize_linears(model)
     return PhraseDrafter(model, ckpt.vocab, target.model.embed.weight.detach(), options, ckpt.manifest)

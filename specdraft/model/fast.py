@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from specdraft.model.quant import RawQuant, kernel_available
+from specdraft.model.quant import RawQuant
 
 KINDS = {"Q4_1": 0, "Q8_0": 1}
 DEFAULT_PRECISION = None  # fast where it can run (the CPU, float32, a supported architecture), else exact
@@ -83,12 +83,7 @@ class FastWeight:
     def from_dense(cls, w: Tensor) -> "FastWeight":
         """A float matrix [rows, cols] (cols a multiple of 32) rounded to Q8_0 blocks (as llama.cpp's
         quantizer does) and repacked: for drafter networks, which have no GGUF blocks."""
-        from gguf import GGMLQuantizationType
-        from gguf.quants import quantize
-
-        k = w.shape[1]
-        data = quantize(w.detach().float().cpu().numpy(), GGMLQuantizationType.Q8_0)
-        return cls.from_raw(RawQuant("Q8_0", k, data))
+        return cls.from_raw(q8_raw(w))
 
     def args(self) -> tuple:
         """(qs, d, m, kind, rows), the order the C++ ops take a weight in."""
@@ -146,25 +141,21 @@ def quantize_linears(module: nn.Module) -> int:
     return n
 
 
-def kernel_ready() -> bool:
-    """Whether the fast kernel is compiled and loaded (``model.quant.kernel_available``)."""
-    return kernel_available() and hasattr(torch.ops.specdraft_quant, "fast_linear")
+def q8_raw(w: Tensor) -> RawQuant:
+    """A float matrix [rows, cols] (cols a multiple of 32) rounded to Q8_0 blocks, as llama.cpp's quantizer does."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    return RawQuant("Q8_0", w.shape[1], quantize(w.detach().float().cpu().numpy(), GGMLQuantizationType.Q8_0))
 
 
 def q8_blocks(state_dict: dict[str, Tensor]) -> dict[str, RawQuant]:
     """Q8_0 blocks of every projection and the embedding / LM head of an fp32 state dict (an HF folder has
     no GGUF blocks): what the fast mode reads for such a target.  Tensors whose width is not a
     multiple of 32 are left out (the model then stays in the exact mode)."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import quantize
-
-    out = {}
-    for name, t in state_dict.items():
-        if t.dim() == 2 and t.shape[1] % 32 == 0 and (name.endswith("_proj.weight") or name in (
-                "model.embed_tokens.weight", "lm_head.weight")):
-            data = quantize(t.detach().float().cpu().numpy(), GGMLQuantizationType.Q8_0)
-            out[name] = RawQuant("Q8_0", t.shape[1], data)
-    return out
+    return {name: q8_raw(t) for name, t in state_dict.items()
+            if t.dim() == 2 and t.shape[1] % 32 == 0
+            and (name.endswith("_proj.weight") or name in ("model.embed_tokens.weight", "lm_head.weight"))}
 
 
 def rotation_table(max_positions: int, inv_freq: Tensor, start: int = 0) -> Tensor:

@@ -449,14 +449,15 @@ class Transformer(nn.Module):
                               cfg.head_dim)
             if i + 1 in hidden_layers:
                 hidden[i + 1] = x
-        head = self._fast_head
-        if FINAL in hidden_layers:
-            hidden[FINAL] = op.fast_head(x, self.norm.weight, cfg.rms_eps, *head.args(), False)[0]
-        if logits == "none":
-            return ForwardOutput(logits=None, hidden=hidden)
-        if logits == "last":
-            x = x[:, -1:]
-        return ForwardOutput(logits=op.fast_head(x, self.norm.weight, cfg.rms_eps, *head.args(), True)[1], hidden=hidden)
+        head = (self.norm.weight, cfg.rms_eps, *self._fast_head.args())
+        out = None  # logits [B, T', V]; the final norm over all rows comes with them when T' = T
+        if logits != "none":
+            normed, out = op.fast_head(x if logits == "all" else x[:, -1:], *head, True)
+            if FINAL in hidden_layers and logits == "all":
+                hidden[FINAL] = normed
+        if FINAL in hidden_layers and FINAL not in hidden:
+            hidden[FINAL] = op.fast_head(x, *head, False)[0]
+        return ForwardOutput(logits=out, hidden=hidden)
 
     @torch.no_grad()
     def load_hf_state_dict(self, sd: dict[str, Tensor]) -> None:

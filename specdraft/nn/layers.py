@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specdraft.model.fast import FastWeight, kernel_ready, quantize_linears
+from specdraft.model.fast import FastWeight, quantize_linears
 from specdraft.model.llama import RMSNorm, apply_rope, rope_inv_freq, rope_rotation
 from specdraft.model.packed import prepack_model
+from specdraft.model.quant import kernel_available
 
 
 @dataclass
@@ -133,7 +134,7 @@ class DraftModel(nn.Module):
         CPU, let oneDNN reorder every weight once (``model.packed``) instead of on every call.
         Returns whether it did either."""
         if int8:
-            if not kernel_ready():
+            if not kernel_available():
                 return False
             quantize_linears(self)
             self._head = FastWeight.from_dense(self.head_w)

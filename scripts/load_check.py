@@ -5,8 +5,14 @@ drafter) of the same prompt ids; the script reports p50/p95 latency, time to fir
 streamed requests and total throughput, and exits non-zero on any error or mismatch.
 
     .venv/bin/python scripts/load_check.py                        # in-process server, default target, ngram
+    .venv/bin/python scripts/load_check.py --clients 8 --requests 5 --max-tokens 128 --compare --json
     .venv/bin/python scripts/load_check.py --clients 8 --requests 5 --max-tokens 32 --json-out load.json
     .venv/bin/python scripts/load_check.py --url http://127.0.0.1:8000   # a running `specdraft serve`
+
+``--compare`` runs the one-at-a-time server (``--max-batch 1``) and the batched one
+(``--max-batch``, default: one place per client) back to back on the same requests and prints
+``{"sequential": {...}, "batched": {...}}``, each with ``total_tok_s``, ``p50_s``, ``p95_s``,
+``requests``, ``equal`` (answers equal to offline greedy) and ``errors``.
 
 Half of the clients stream (``stream: true``), the others do not.  Only loopback addresses are
 accepted.
@@ -17,10 +23,14 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import json
+import signal
+import socket
 import statistics
+import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from urllib.parse import urlparse
 
 TOPICS = ["the moon", "rivers", "prime numbers", "bread", "volcanoes", "chess", "the piano", "bees", "glaciers",
@@ -51,50 +61,9 @@ def check_loopback(url: str) -> None:
         sys.exit(f"error: {url} is not a loopback address; this check only sends traffic to this machine")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--target", default="default")
-    ap.add_argument("--drafter", default="ngram")
-    ap.add_argument("--clients", type=int, default=8)
-    ap.add_argument("--requests", type=int, default=5, help="requests per client")
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--url", default=None, help="a running server on loopback (default: start one in-process)")
-    ap.add_argument("--timeout", type=float, default=300, help="seconds one request may take")
-    ap.add_argument("--json-out", default=None)
-    args = ap.parse_args(argv)
-    if args.clients < 1 or args.requests < 1 or args.max_tokens < 1:
-        sys.exit("error: --clients, --requests and --max-tokens must be >= 1")
-
+def run_clients(base: str, model: str, work: list[str], refs: dict, args) -> tuple[list[dict], float]:
+    """C client threads x R requests each against ``base``; half of the clients stream."""
     import openai
-
-    from specdraft.drafters import make_drafter
-    from specdraft.engine import Engine
-    from specdraft.generate import GenerateConfig
-    from specdraft.server.queue import RequestQueue
-    from specdraft.target import Target
-
-    offline = Engine.load(args.target)
-    target = offline.target
-    work = prompts(args.clients * args.requests)
-    t0 = time.perf_counter()
-    refs = {}
-    for p in work:
-        ids = target.encode_messages([{"role": "user", "content": p}])
-        refs[p] = offline.generate(ids, GenerateConfig(max_new_tokens=args.max_tokens)).text
-    print(f"offline greedy references: {len(refs)} prompts in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-
-    server = None
-    if args.url:
-        check_loopback(args.url)
-        base = args.url.rstrip("/")
-        model = openai.OpenAI(base_url=base + "/v1", api_key="none").models.list().data[0].id
-    else:
-        from specdraft.server.app import ServerThread, create_app
-
-        served = Target(target.model, target.tokenizer, target.name, target.weight_hash)  # its own KV cache
-        queue = RequestQueue(Engine(served, make_drafter(args.drafter, served)), max_queue=args.clients)
-        server = ServerThread(create_app(queue)).__enter__()
-        base, model = server.url, queue.model_id
 
     results: list[dict] = []
     lock = threading.Lock()
@@ -137,21 +106,123 @@ def main(argv: list[str] | None = None) -> int:
         th.start()
     for th in threads:
         th.join()
-    wall = time.perf_counter() - t0
-    if server is not None:
-        server.__exit__(None, None, None)
+    return results, time.perf_counter() - t0
 
+
+def start_server(args, max_batch: int) -> tuple[subprocess.Popen, str]:
+    """``specdraft serve`` on a free loopback port, in a process of its own (as users run it); returns once
+    /health answers."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "specdraft.cli", "serve", "--target", args.target, "--drafter", args.drafter,
+           "--port", str(port), "--max-batch", str(max_batch), "--max-queue", str(args.clients), "--quiet"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"error: the server exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                health = json.load(r)
+            print(f"server --max-batch {max_batch}: {json.dumps(health['batch'])}", file=sys.stderr)
+            return proc, url
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    sys.exit("error: the server did not answer /health within 300 s")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def summarize(results: list[dict], wall: float, max_batch: int | None) -> dict:
     lat = [r["latency_s"] for r in results]
     ttft = [r["ttft_s"] for r in results if r.get("ttft_s") is not None]
     tokens = sum(r.get("tokens", 0) for r in results)
     tpp = [r["tokens_per_pass"] for r in results if r.get("tokens_per_pass")]
-    summary = {"target": target.name, "drafter": args.drafter, "clients": args.clients, "requests_per_client": args.requests,
-               "max_tokens": args.max_tokens, "requests": len(results), "correct": sum(r["ok"] for r in results),
-               "errors": sum("error" in r for r in results), "wall_s": wall, "latency_p50_s": pct(lat, 0.5),
-               "latency_p95_s": pct(lat, 0.95), "latency_max_s": max(lat), "ttft_p50_s": pct(ttft, 0.5),
-               "ttft_p95_s": pct(ttft, 0.95), "completion_tokens": tokens, "throughput_tok_s": tokens / wall,
-               "requests_per_s": len(results) / wall, "mean_tokens_per_pass": statistics.fmean(tpp) if tpp else None}
-    print(json.dumps(summary, indent=1))
+    return {"max_batch": max_batch, "requests": len(results), "equal": sum(r["ok"] for r in results),
+            "errors": sum("error" in r for r in results), "total_tok_s": tokens / wall, "p50_s": pct(lat, 0.5),
+            "p95_s": pct(lat, 0.95), "max_s": max(lat), "ttft_p50_s": pct(ttft, 0.5), "ttft_p95_s": pct(ttft, 0.95),
+            "wall_s": wall, "completion_tokens": tokens, "requests_per_s": len(results) / wall,
+            "mean_tokens_per_pass": statistics.fmean(tpp) if tpp else None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default="default")
+    ap.add_argument("--drafter", default="ngram")
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=5, help="requests per client")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-batch", type=int, default=None,
+                    help="the in-process server's --max-batch (default: one place per client)")
+    ap.add_argument("--compare", action="store_true",
+                    help="run --max-batch 1 and the batched server back to back on the same requests")
+    ap.add_argument("--url", default=None, help="a running server on loopback (default: start `specdraft serve`)")
+    ap.add_argument("--timeout", type=float, default=300, help="seconds one request may take")
+    ap.add_argument("--json", action="store_true", help="print only the JSON summary on stdout")
+    ap.add_argument("--json-out", default=None, help="also write the summary and every request's record here")
+    args = ap.parse_args(argv)
+    if args.clients < 1 or args.requests < 1 or args.max_tokens < 1:
+        sys.exit("error: --clients, --requests and --max-tokens must be >= 1")
+    if args.compare and args.url:
+        sys.exit("error: --compare starts its own servers; it cannot take --url")
+    max_batch = args.max_batch or args.clients
+    if max_batch < 1:
+        sys.exit("error: --max-batch must be >= 1")
+
+    import openai
+
+    from specdraft.engine import Engine
+    from specdraft.generate import GenerateConfig
+
+    offline = Engine.load(args.target)
+    target = offline.target
+    work = prompts(args.clients * args.requests)
+    t0 = time.perf_counter()
+    refs = {}
+    for p in work:
+        ids = target.encode_messages([{"role": "user", "content": p}])
+        refs[p] = offline.generate(ids, GenerateConfig(max_new_tokens=args.max_tokens)).text
+    print(f"offline greedy references: {len(refs)} prompts in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+
+    def served(batch: int) -> tuple[dict, list[dict]]:
+        proc, url = start_server(args, batch)
+        try:
+            model = openai.OpenAI(base_url=url + "/v1", api_key="none").models.list().data[0].id
+            results, wall = run_clients(url, model, work, refs, args)
+        finally:
+            stop_server(proc)
+        print(f"--max-batch {batch}: {len(results)} requests in {wall:.1f}s", file=sys.stderr)
+        return summarize(results, wall, batch), results
+
+    head = {"target": target.name, "drafter": args.drafter, "clients": args.clients,
+            "requests_per_client": args.requests, "max_tokens": args.max_tokens}
+    if args.compare:
+        seq, seq_results = served(1)
+        bat, bat_results = served(max_batch)
+        bat["tok_s_vs_sequential"] = bat["total_tok_s"] / seq["total_tok_s"]
+        bat["p50_vs_sequential"] = bat["p50_s"] / seq["p50_s"]
+        summary = {"sequential": {**head, **seq}, "batched": {**head, **bat}}
+        results = seq_results + bat_results
+    elif args.url:
+        check_loopback(args.url)
+        base = args.url.rstrip("/")
+        model = openai.OpenAI(base_url=base + "/v1", api_key="none").models.list().data[0].id
+        results, wall = run_clients(base, model, work, refs, args)
+        summary = {**head, **summarize(results, wall, None)}
+    else:
+        one, results = served(max_batch)
+        summary = {**head, **one}
+    print(json.dumps(summary, indent=None if args.json else 1))
     bad = [r for r in results if not r["ok"]]
     for r in bad[:5]:
         print(f"FAILED client {r['client']} {r['prompt']!r}: {r.get('error') or 'output differs from offline greedy'}",

@@ -240,7 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--model-name", default=None, help="model id clients send (default: the target's name)")
-    sv.add_argument("--max-queue", type=int, default=8, help="requests waiting behind the running one; more get 429")
+    sv.add_argument("--max-batch", type=int, default=8,
+                    help="requests decoded together, sharing every target pass (1 = one at a time; batching needs the "
+                         "fast precision mode)")
+    sv.add_argument("--max-queue", type=int, default=8, help="requests waiting for a place in the batch; more get 429")
     sv.add_argument("--max-tokens", type=int, default=512, help="max_tokens when a request gives none")
     sv.add_argument("--temperature", type=_finite, default=0.0, help="temperature when a request gives none (0 = greedy)")
     sv.add_argument("--quiet", action="store_true", help="no access log")
@@ -499,7 +502,10 @@ def cmd_serve(args) -> None:
         raise SpecdraftError(f"--temperature must be >= 0 (got {args.temperature})")
     engine = _engine(args, args.drafter, args.budget)
     queue = RequestQueue(engine, model_id=args.model_name, max_queue=args.max_queue,
-                         default_max_tokens=args.max_tokens, default_temperature=args.temperature, budget=args.budget)
+                         default_max_tokens=args.max_tokens, default_temperature=args.temperature, budget=args.budget,
+                         max_batch=args.max_batch)
+    if queue.batch_note:
+        print(f"warning: {queue.batch_note}", file=sys.stderr)
     try:
         loopback = args.host == "localhost" or ipaddress.ip_address(args.host).is_loopback
     except ValueError:

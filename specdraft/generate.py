@@ -47,6 +47,13 @@ class GenerationStats:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def finish(self, new_tokens: int, committed: int, hist: Counter, wall_s: float) -> None:
+        """Fill in the totals once the generation has ended."""
+        self.new_tokens, self.committed, self.wall_s = new_tokens, committed, wall_s
+        self.tok_s = new_tokens / wall_s if wall_s > 0 else 0.0
+        self.tokens_per_pass = committed / self.passes if self.passes else 0.0
+        self.accept_hist = dict(sorted(hist.items()))
+
 
 @dataclass
 class GenerationResult:
@@ -68,6 +75,54 @@ def check_budget(budget: int, target: Target) -> None:
 def _first_stop(text: str, stops: list[str]) -> int:
     hits = [i for i in (text.find(s) for s in stops) if i >= 0]
     return min(hits) if hits else -1
+
+
+class Emitter:
+    """The tokens a generation keeps and the text it streams.  ``push`` appends accepted tokens: EOS,
+    ``max_new`` tokens or a stop string ends the generation (``done``, ``finish``); ``on_text`` gets
+    the text once no stop string can still start in it and no UTF-8 sequence is cut."""
+
+    def __init__(self, target: Target, max_new: int, stop: list[str], on_text: Callable[[str], None] | None) -> None:
+        self.target, self.max_new, self.stop, self.on_text = target, max_new, stop, on_text
+        self.eos = target.eos_ids
+        self.tokens: list[int] = []
+        self.emitted = 0  # characters already streamed
+        self.hold = max((len(x) for x in stop), default=1) - 1  # chars that might start a stop string
+        self.finish = "length"
+        self.done = False
+
+    def push(self, new: list[int]) -> int:
+        """Append accepted tokens; returns the tokens consumed (EOS included)."""
+        used = 0
+        for tok in new:
+            used += 1
+            if tok in self.eos:
+                self.finish, self.done = "stop", True
+                break
+            self.tokens.append(tok)
+            if len(self.tokens) >= self.max_new:
+                self.done = True
+                break
+        if self.stop or self.on_text is not None:
+            text = self.target.decode(self.tokens)
+            cut = _first_stop(text, self.stop) if self.stop else -1
+            if cut >= 0:
+                self.finish, self.done, text = "stop", True, text[:cut]
+            safe = len(text) if self.done else max(self.emitted, len(text) - self.hold)
+            while safe > self.emitted and text[safe - 1] == "\ufffd" and not self.done:
+                safe -= 1  # an incomplete UTF-8 sequence: wait for the next token
+            if self.on_text is not None and safe > self.emitted:
+                self.on_text(text[self.emitted:safe])
+            self.emitted = max(self.emitted, safe)
+        return used
+
+    def result(self, stats: GenerationStats) -> GenerationResult:
+        text = self.target.decode(self.tokens)
+        if self.stop:
+            cut = _first_stop(text, self.stop)
+            if cut >= 0:
+                text = text[:cut]
+        return GenerationResult(token_ids=self.tokens, text=text, finish_reason=self.finish, stats=stats)
 
 
 def generate(
@@ -92,7 +147,6 @@ def generate(
     gen = None
     if not s.greedy:
         gen = torch.Generator(device=target.device).manual_seed(0 if cfg.seed is None else cfg.seed)
-    eos = target.eos_ids
     stats = GenerationStats()
     hist: Counter[int] = Counter()
     t_start = time.perf_counter()
@@ -107,38 +161,9 @@ def generate(
         first = sample(last_logits, s, gen)
     stats.prefill_s = time.perf_counter() - t_start
 
-    tokens: list[int] = []
-    emitted = 0  # characters already streamed
-    hold = max((len(x) for x in cfg.stop), default=1) - 1  # chars that might start a stop string
-    finish = "length"
-
-    def push(new: list[int]) -> tuple[bool, int]:
-        """Append accepted tokens; returns (generation must stop, tokens consumed incl. EOS)."""
-        nonlocal emitted, finish
-        done, used = False, 0
-        for tok in new:
-            used += 1
-            if tok in eos:
-                finish, done = "stop", True
-                break
-            tokens.append(tok)
-            if len(tokens) >= max_new:
-                done = True
-                break
-        if cfg.stop or on_text is not None:
-            text = target.decode(tokens)
-            cut = _first_stop(text, cfg.stop) if cfg.stop else -1
-            if cut >= 0:
-                finish, done, text = "stop", True, text[:cut]
-            safe = len(text) if done else max(emitted, len(text) - hold)
-            while safe > emitted and text[safe - 1] == "\ufffd" and not done:
-                safe -= 1  # an incomplete UTF-8 sequence: wait for the next token
-            if on_text is not None and safe > emitted:
-                on_text(text[emitted:safe])
-            emitted = max(emitted, safe)
-        return done, used
-
-    done, _ = push([first])
+    emit = Emitter(target, max_new, cfg.stop, on_text)
+    emit.push([first])
+    done = emit.done
     if not done:
         drafter.reset(prompt_ids, first, out)
     committed_by_passes = 0
@@ -155,22 +180,12 @@ def generate(
         stats.passes += 1
         stats.tree_nodes += len(tree) - 1
         hist[len(acc.tokens)] += 1
-        done, used = push(acc.new_tokens)
-        committed_by_passes += used
+        committed_by_passes += emit.push(acc.new_tokens)
+        done = emit.done
         if not done:
             drafter.commit(acc, out)
         if target.length + budget + 2 > target.capacity and not done:
             done = True  # context exhausted
 
-    stats.new_tokens = len(tokens)
-    stats.wall_s = time.perf_counter() - t_start
-    stats.tok_s = stats.new_tokens / stats.wall_s if stats.wall_s > 0 else 0.0
-    stats.committed = committed_by_passes
-    stats.tokens_per_pass = committed_by_passes / stats.passes if stats.passes else 0.0
-    stats.accept_hist = dict(sorted(hist.items()))
-    text = target.decode(tokens)
-    if cfg.stop:
-        cut = _first_stop(text, cfg.stop)
-        if cut >= 0:
-            text = text[:cut]
-    return GenerationResult(token_ids=tokens, text=text, finish_reason=finish, stats=stats)
+    stats.finish(len(emit.tokens), committed_by_passes, hist, time.perf_counter() - t_start)
+    return emit.result(stats)

@@ -4,6 +4,7 @@ target's features)."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -32,6 +33,10 @@ class Drafter(Protocol):
     def commit(self, accepted: Accepted, out: ForwardOutput) -> None:
         """The verifier kept ``accepted`` (out = the tree pass's output, for its features)."""
 
+    def fork(self) -> "Drafter":
+        """A drafter for another sequence: the same network, options and budget, its own state (the
+        batched server gives every request one)."""
+
 
 class NoDrafter:
     """Drafts nothing: every pass verifies the root alone, i.e. plain decoding."""
@@ -51,6 +56,9 @@ class NoDrafter:
 
     def commit(self, accepted: Accepted, out: ForwardOutput) -> None:
         self.last = accepted.bonus
+
+    def fork(self) -> "NoDrafter":
+        return NoDrafter()
 
 
 @dataclass
@@ -98,6 +106,12 @@ class TrainedDrafter:
         self.manifest = manifest or {}
         self.cache_layers = cache_layers  # layers with K/V of committed positions
         self.start(-1)
+
+    def fork(self) -> "TrainedDrafter":
+        """The same network and options (shared, read-only), a fresh sequence state."""
+        new = copy.copy(self)
+        new.start(-1)
+        return new
 
     def start(self, root: int) -> None:
         """A new sequence: ``root`` is the first tree's root; nothing committed in the cache yet."""

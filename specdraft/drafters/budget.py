@@ -91,3 +91,48 @@ def default_budget(target, fallback: int, manifest: dict | None = None, scale_wi
     if profile:
         return best_budget(curve, profile, fallback, (manifest or {}).get("budget_profile", {}).get("draft_ms"))
     return budget_from_curve(curve, default=fallback) if scale_with_curve else fallback
+
+
+# ---------------------------------------------------------------------- many sequences in one pass
+BATCH_RULE = ("each of the L sequences sharing a pass gets b drafted nodes, at most its own budget B: with the "
+              "drafter's budget profile a(b) (tokens per pass) and the cost curve c(rows), the b maximising "
+              "L a(b) / (c(L (b+1)) + L draft(b)); without a profile b = R // L - 1 (at least 0), R = the largest "
+              "pass costing <= 1.5x one token (B + 1 without a curve)")
+
+
+def pass_ratio(curve: dict, rows: int) -> float:
+    """A pass over ``rows`` rows in units of one token's, from the cost curve: linear between its points
+    (never cheaper than a smaller pass: noise), past its end along its last segment."""
+    n = [int(x) for x in curve["n"]]
+    r, worst = [], 0.0
+    for x in curve["ratio"]:
+        worst = max(worst, float(x))
+        r.append(worst)
+    if rows <= n[0]:
+        return r[0]
+    for i in range(1, len(n)):
+        if rows <= n[i]:
+            return r[i - 1] + (r[i] - r[i - 1]) * (rows - n[i - 1]) / (n[i] - n[i - 1])
+    slope = (r[-1] - r[-2]) / (n[-1] - n[-2]) if len(n) > 1 else 0.0
+    return r[-1] + slope * (rows - n[-1])
+
+
+def batch_budget(curve: dict | None, live: int, budget: int, profile: dict | None = None,
+                 draft_ms: dict | None = None) -> int:
+    """Drafted nodes per tree when ``live`` sequences share every pass (``BATCH_RULE``); ``budget``: a
+    sequence's own (single-stream) budget, the cap; ``profile``: budget -> tokens per pass (a checkpoint's
+    ``acceptance_by_budget``); ``draft_ms``: budget -> drafting ms per sequence and pass."""
+    if budget <= 0 or live <= 0:
+        return max(0, budget)
+    if curve is not None and profile:
+        one = float(curve["ms"][0]) if curve.get("ms") else 0.0
+        draft = {int(b): float(v) for b, v in (draft_ms or {}).items()}
+        tokens = {0: 1.0, **{int(b): float(t) for b, t in profile.items() if int(b) <= budget}}
+
+        def rate(b: int) -> float:
+            extra = live * draft.get(b, 0.0) / one if one > 0 and b > 0 else 0.0
+            return live * tokens[b] / (pass_ratio(curve, live * (b + 1)) + extra)
+
+        return max(tokens, key=lambda b: (rate(b), -b))
+    rows = budget_from_curve(curve, default=budget) + 1 if curve is not None else budget + 1
+    return max(0, min(budget, rows // live - 1))

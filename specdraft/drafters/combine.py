@@ -11,6 +11,8 @@ output stays exactly the target's.
 
 from __future__ import annotations
 
+import copy
+
 from specdraft.drafters.ngram import NgramConfig, NgramDrafter
 from specdraft.model.llama import ForwardOutput
 from specdraft.tree import Tree
@@ -51,6 +53,11 @@ class WithNgram:
     def commit(self, accepted: Accepted, out: ForwardOutput) -> None:
         self.inner.commit(accepted, out)
         self.ngram.commit(accepted, out)
+
+    def fork(self) -> "WithNgram":
+        new = copy.copy(self)
+        new.inner, new.ngram = self.inner.fork(), self.ngram.fork()
+        return new
 
     def propose(self, budget: int) -> Tree:
         model = self.inner.propose(budget)

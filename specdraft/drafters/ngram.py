@@ -56,6 +56,11 @@ class NgramDrafter:
     def commit(self, accepted: Accepted, out: ForwardOutput) -> None:
         self._extend(accepted.new_tokens)
 
+    def fork(self) -> "NgramDrafter":
+        new = NgramDrafter(self.cfg)
+        new.default_budget = self.default_budget
+        return new
+
     def candidates(self) -> list[list[int]]:
         """Candidate continuations of the current context, best first."""
         h, cfg = self.history, self.cfg

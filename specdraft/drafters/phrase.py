@@ -9,6 +9,7 @@ the same tree (the phrase unit is orthogonal to tree width and depth).  Training
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +71,13 @@ class PhraseDrafter:
         self.root = accepted.bonus
         if self.ngram is not None:
             self.ngram.commit(accepted, out)
+
+    def fork(self) -> "PhraseDrafter":
+        """The same head, vocabulary and options, a fresh sequence state."""
+        new = copy.copy(self)
+        new.ngram = self.ngram.fork() if self.ngram is not None else None
+        new.h, new.root = None, -1
+        return new
 
     @torch.inference_mode()
     def phrase_candidates(self, n: int) -> list[list[int]]:

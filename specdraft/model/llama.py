@@ -395,7 +395,8 @@ class Transformer(nn.Module):
     ) -> ForwardOutput:
         """Run ``tokens`` [B, T] at RoPE ``positions`` [B, T], writing their K/V to cache slots
         ``start .. start+T-1``.  ``mask`` [B, T, start+T] (True = may attend) covers every slot
-        read; None means every slot is visible.  ``logits``: "all", "last" or "none".
+        read; None means every slot is visible.  ``logits``: "all", "last", "none", or a 1-D index
+        tensor of the rows (of T) to give logits for.
         """
         if self.precision == "fast":
             return self._forward_fast(tokens, positions, mask, cache, start, hidden_layers, logits)
@@ -422,9 +423,11 @@ class Transformer(nn.Module):
         x = self.norm(x)
         if FINAL in hidden_layers:
             hidden[FINAL] = x
-        if logits == "none":
+        if isinstance(logits, Tensor):
+            x = x[:, logits]
+        elif logits == "none":
             return ForwardOutput(logits=None, hidden=hidden)
-        if logits == "last":
+        elif logits == "last":
             x = x[:, -1:]
         return ForwardOutput(logits=self.lm_head(x).float(), hidden=hidden)
 
@@ -451,9 +454,11 @@ class Transformer(nn.Module):
                 hidden[i + 1] = x
         head = (self.norm.weight, cfg.rms_eps, *self._fast_head.args())
         out = None  # logits [B, T', V]; the final norm over all rows comes with them when T' = T
-        if logits != "none":
-            normed, out = op.fast_head(x if logits == "all" else x[:, -1:], *head, True)
-            if FINAL in hidden_layers and logits == "all":
+        rows = logits if isinstance(logits, Tensor) else None
+        if rows is not None or logits != "none":
+            every = rows is None and logits == "all"
+            normed, out = op.fast_head(x if every else (x[:, -1:] if rows is None else x[:, rows]), *head, True)
+            if FINAL in hidden_layers and every:
                 hidden[FINAL] = normed
         if FINAL in hidden_layers and FINAL not in hidden:
             hidden[FINAL] = op.fast_head(x, *head, False)[0]

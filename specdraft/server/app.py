@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 import socket
 import threading
 import time
@@ -231,7 +232,7 @@ def create_app(queue: RequestQueue, max_body_bytes: int = MAX_BODY_BYTES) -> Fas
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": queue.model_id, "drafter": queue.drafter.name,
-                "context": queue.context, "queue": queue.load()}
+                "context": queue.context, "queue": queue.load(), "batch": queue.health()}
 
     @app.get("/metrics")
     async def metrics():
@@ -427,6 +428,7 @@ class ServerThread:
         return f"http://{host}:{self.port}"
 
     def __enter__(self) -> "ServerThread":
+        self.server.queue.start()  # the queue's loop on a thread of its own
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:
@@ -442,15 +444,27 @@ class ServerThread:
 
 
 def serve(queue: RequestQueue, host: str = "127.0.0.1", port: int = 8000, quiet: bool = False) -> None:
-    """Run the server until Ctrl-C (or SIGTERM)."""
+    """Run the server until Ctrl-C (or SIGTERM): HTTP on a thread, the queue's loop (all the model's work) on
+    this one, the thread that loaded the model (``server.queue``'s docstring says why).  The first signal
+    starts the graceful shutdown (``_Server``), a second one cuts it short."""
     config = uvicorn.Config(create_app(queue), host=host, port=port, log_level="warning" if quiet else "info",
                             access_log=not quiet)
     server = _Server(config, queue, GRACE_S)
+    http = threading.Thread(target=server.run, name="specdraft-http", daemon=True)
+
+    def on_signal(signum, frame) -> None:
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    http.start()
     try:
-        server.run()
-    except KeyboardInterrupt:
-        pass
-    except SystemExit:  # uvicorn exits when it cannot start (the port is taken, ...); it has logged why
-        pass
+        queue.run(stop=lambda: not http.is_alive())
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        queue.shutdown()
+        http.join(timeout=GRACE_S + STOP_S + 5)
     if not server.started:  # uvicorn has logged why (the port is taken, ...)
         raise SpecdraftError(f"the server did not start on {host}:{port}")

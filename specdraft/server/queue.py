@@ -1,10 +1,20 @@
-"""The server's request queue: one generation at a time from a bounded queue.
+"""The server's request queue: a bounded queue in front of one generation at a time, or of a batch.
 
-``RequestQueue`` admits at most ``1 + max_queue`` requests (running + waiting); a request beyond
-that is refused at once (HTTP 429), so nothing waits without bound.  Generations run on a single
-worker thread through the ``Engine``, so the target's KV cache is never shared; each has a cancel
-flag (a disconnected client stops its generation within one pass).  Nothing here imports the web
-framework.
+``RequestQueue`` admits at most ``max_batch + max_queue`` requests (running + waiting); a request
+beyond that is refused at once (HTTP 429), so nothing waits without bound.  Each has a cancel flag (a
+disconnected client stops its generation within one pass).
+
+One loop (``run``) does all the model's work, on one thread:
+
+* ``max_batch`` 1: it runs the waiting generations one at a time through the ``Engine``.
+* ``max_batch`` N > 1: before every pass it moves waiting requests into a ``batch.Batcher`` (up to
+  N), then runs one pass for all of them (continuous batching).  Needs the fast precision mode; with
+  the exact mode the queue stays one at a time and says why in ``batch_note``.
+
+``specdraft serve`` runs the loop on the main thread, the thread that loaded the model: the CPU
+kernels' OpenMP threads belong to the thread that first ran them, and a pass on another thread
+measured ~3x slower here (two thread teams on two cores).  ``start()`` runs it on a thread of its own
+instead (tests, in-process servers).  Nothing here imports the web framework.
 """
 
 from __future__ import annotations
@@ -12,10 +22,12 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
+from specdraft.batch import Batcher, Sequence
 from specdraft.engine import Cancelled, Engine
 from specdraft.errors import SpecdraftError
 from specdraft.generate import GenerateConfig, GenerationResult, check_budget
@@ -31,13 +43,14 @@ class Job:
     config: GenerateConfig
     on_text: Callable[[str], None] | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
-    future: Future | None = None
+    future: Future = field(default_factory=Future)
     admitted: float = field(default_factory=time.perf_counter)  # when it entered the queue (metrics: TTFT)
+    started: float = 0.0  # when its generation started
 
 
 class RequestQueue:
     def __init__(self, engine: Engine, model_id: str | None = None, max_queue: int = 8, default_max_tokens: int = 512,
-                 default_temperature: float = 0.0, budget: int | None = None) -> None:
+                 default_temperature: float = 0.0, budget: int | None = None, max_batch: int = 1) -> None:
         target = engine.target
         if target.tokenizer is None:
             raise SpecdraftError("the target has no tokenizer; the server needs one")
@@ -48,16 +61,26 @@ class RequestQueue:
         Sampling(temperature=default_temperature)  # a NaN, infinite or negative default fails here, not per request
         if budget is not None:
             check_budget(budget, target)  # likewise a --budget past the context
+        if max_batch < 1:
+            raise SpecdraftError(f"--max-batch must be >= 1 (got {max_batch})")
+        self.batch_note = ""  # why a --max-batch > 1 runs one at a time
+        if max_batch > 1 and target.precision != "fast":
+            self.batch_note = (f"--max-batch {max_batch} needs the fast precision mode (rows that do not depend on "
+                               f"the batch); the target runs in the {target.precision} mode, so requests run one at a time")
+            max_batch = 1
+        self.max_batch = max_batch
         self.engine = engine
         self.target = target
         self.drafter = engine.drafter
         self.model_id = model_id or target.name
-        self.capacity = 1 + max_queue
+        self.capacity = max_batch + max_queue
         self.default_max_tokens = default_max_tokens
         self.default_temperature = default_temperature
         self.budget = budget
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdraft-generate")
         self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)  # a job arrived, or the queue closed
+        self._waiting: deque[Job] = deque()
+        self._thread: threading.Thread | None = None  # start()'s thread
         self._jobs: set[int] = set()  # ids of admitted jobs (running or waiting)
         self._cancels: dict[int, threading.Event] = {}
         self.closed = False  # set by shutdown(): nothing more is admitted
@@ -66,6 +89,8 @@ class RequestQueue:
         self.cancelled = 0  # generations stopped by their cancel flag
         self.failed = 0
         self.metrics = Metrics()  # GET /metrics
+        self.batcher = Batcher(engine, max_batch=max_batch) if max_batch > 1 else None
+        self._in_batch: dict[int, Job] = {}  # id(Sequence) -> its job
 
     @property
     def context(self) -> int:
@@ -92,7 +117,7 @@ class RequestQueue:
     def load(self) -> dict:
         with self._lock:
             admitted = len(self._jobs)
-        running = 1 if self.running else 0
+        running = len(self.batcher.live) if self.batcher is not None else (1 if self.running else 0)
         return {"running": running, "waiting": max(0, admitted - running), "capacity": self.capacity,
                 "completed": self.completed, "cancelled": self.cancelled, "failed": self.failed}
 
@@ -104,11 +129,8 @@ class RequestQueue:
                 return None
             self._jobs.add(id(job))
             self._cancels[id(job)] = job.cancel
-        try:
-            job.future = self._pool.submit(self._run, job)
-        except RuntimeError:  # the pool is shut down
-            self._release(job)
-            return None
+            self._waiting.append(job)
+            self._wake.notify()
         return job
 
     def _release(self, job: Job) -> None:
@@ -116,33 +138,122 @@ class RequestQueue:
             self._jobs.discard(id(job))
             self._cancels.pop(id(job), None)
 
-    def _run(self, job: Job) -> GenerationResult:
+    # ------------------------------------------------------------------ the loop
+    def start(self) -> None:
+        """Run the loop on a daemon thread (an in-process server); once."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self.run, name="specdraft-generate", daemon=True)
+            self._thread.start()
+
+    def run(self, stop: Callable[[], bool] | None = None) -> None:
+        """Do the queue's work until it is shut down and empty (or ``stop()`` turns true while idle)."""
+        while True:
+            with self._wake:
+                while not self._waiting and not (self.batcher and self.batcher.live):
+                    if self.closed or (stop is not None and stop()):
+                        return
+                    self._wake.wait(timeout=0.5)
+                if self.batcher is None:
+                    job = self._waiting.popleft()
+                else:
+                    job = None
+                    while self._waiting and len(self.batcher.live) < self.max_batch:
+                        self._admit(self._waiting.popleft())
+            if job is not None:
+                self._run(job)
+            else:
+                self._step()
+
+    def _run(self, job: Job) -> None:
+        """One generation, alone (max_batch 1)."""
+        job.started = time.perf_counter()
+        result, error = None, None
         try:
             if job.cancel.is_set():
                 raise Cancelled()
             self.running = True
-            started = time.perf_counter()
-            r = self.engine.generate(job.prompt_ids, job.config, on_text=job.on_text, cancel=job.cancel)
-            self.completed += 1
-            self.metrics.observe(r.stats, queued_s=started - job.admitted)
-            return r
-        except Cancelled:
+            result = self.engine.generate(job.prompt_ids, job.config, on_text=job.on_text, cancel=job.cancel)
+        except Cancelled as e:
             self.cancelled += 1
-            raise
-        except BaseException:
+            error = e
+        except BaseException as e:  # reported to the request's waiter
             self.failed += 1
-            raise
-        finally:
-            self.running = False
+            error = e
+        else:
+            self.completed += 1
+            self.metrics.observe(result.stats, queued_s=job.started - job.admitted)
+        self.running = False  # before the answer: a client that gets it sees the server idle
+        self._settle(job, result=result, error=error)
+
+    def _step(self) -> None:
+        """One pass of the batch; answers the requests that left it."""
+        b = self.batcher
+        try:
+            left = b.step()
+        except BaseException as e:  # not expected (step reports failures per sequence): fail the whole batch
+            left = list(b.live)
+            for s in left:
+                b.live.remove(s)
+                b.slots.release(s.base)
+                s.error = e
+        for s in left:
+            self._done(s)
+
+    def _admit(self, job: Job) -> None:
+        """Move a waiting job into the batch (lock held)."""
+        job.started = time.perf_counter()
+        if job.cancel.is_set():
+            self.cancelled += 1
+            self._settle(job, error=Cancelled(), locked=True)
+            return
+        try:
+            seq = self.batcher.add(job.prompt_ids, job.config, on_text=job.on_text, cancel=job.cancel)
+        except Exception as e:  # a request the batch cannot take (checked as a single generation would be)
+            self.failed += 1
+            self._settle(job, error=e, locked=True)
+            return
+        self._in_batch[id(seq)] = job
+
+    def _done(self, seq: Sequence) -> None:
+        job = self._in_batch.pop(id(seq))
+        if seq.error is None:
+            self.completed += 1
+            self.metrics.observe(seq.result.stats, queued_s=job.started - job.admitted)
+            self._settle(job, result=seq.result)
+        else:
+            if isinstance(seq.error, Cancelled):
+                self.cancelled += 1
+            else:
+                self.failed += 1
+            self._settle(job, error=seq.error)
+
+    def _settle(self, job: Job, result: GenerationResult | None = None, error: BaseException | None = None,
+                locked: bool = False) -> None:
+        """Free the job's place and answer its waiter."""
+        if locked:
+            self._jobs.discard(id(job))
+            self._cancels.pop(id(job), None)
+        else:
             self._release(job)
+        if error is not None:
+            job.future.set_exception(error)
+        else:
+            job.future.set_result(result)
+
+    # ------------------------------------------------------------------ the batch (max_batch > 1)
+    def health(self) -> dict:
+        """The batch's state and budget rule for /health (one at a time: just that)."""
+        if self.batcher is None:
+            out = {"max_batch": 1}
+            return {**out, "note": self.batch_note} if self.batch_note else out
+        return self.batcher.health()
 
     def shutdown(self) -> None:
-        """Refuse new requests and cancel every admitted one: the running generation stops within one
-        pass; each waiting one still reaches ``_run``, which stops it before it starts, so it is counted
-        in ``cancelled``, its slot is freed and its waiter hears ``Cancelled`` (cancelling the pool's
-        futures instead would skip all three).  Idempotent; returns without waiting."""
+        """Refuse new requests and cancel every admitted one: running generations stop within one pass;
+        waiting ones are answered ``Cancelled`` when the loop reaches them (counted in ``cancelled``, their
+        places freed); then the loop returns.  Idempotent; returns without waiting."""
         with self._lock:
             self.closed = True
             for ev in self._cancels.values():
                 ev.set()
-        self._pool.shutdown(wait=False)
+            self._wake.notify_all()

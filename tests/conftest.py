@@ -113,11 +113,9 @@ def default_hf(default_weights):
 
 
 @pytest.fixture(scope="session")
-def tiny_chat_target(tmp_path_factory, default_weights):
-    """A tiny random model over the real SmolLM2 vocabulary, with the real tokenizer and chat template."""
+def tiny_chat_folder(tmp_path_factory, default_weights):
+    """A tiny random model over the real SmolLM2 vocabulary, saved as an HF folder."""
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from specdraft.model.load import load_tokenizer
 
     path = tmp_path_factory.mktemp("tiny_chat")
     cfg = dict(TINY["llama"], vocab_size=default_weights.config.vocab_size, eos_token_id=2, bos_token_id=1)
@@ -128,8 +126,28 @@ def tiny_chat_target(tmp_path_factory, default_weights):
             if "norm" not in name:
                 p.normal_(0, 0.2)
     model.save_pretrained(path, safe_serialization=True)
-    w = load_hf_folder(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_target(tiny_chat_folder, default_weights):
+    """The tiny chat model with the real tokenizer and chat template (exact mode)."""
+    from specdraft.model.load import load_tokenizer
+
+    w = load_hf_folder(tiny_chat_folder)
     return Target(build_model(w), tokenizer=load_tokenizer(default_weights), name="tiny-chat", weight_hash=w.weight_hash)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_fast(tiny_chat_folder, default_weights):
+    """The tiny chat model in the fast precision mode (its weights rounded to Q8_0 blocks): batching needs it."""
+    from specdraft.model.load import load_tokenizer
+
+    w = load_hf_folder(tiny_chat_folder)
+    t = Target(build_model(w, precision="fast"), tokenizer=load_tokenizer(default_weights), name="tiny-chat",
+               weight_hash=w.weight_hash)
+    assert t.precision == "fast"
+    return t
 
 
 TRAIN_PROMPTS = ["What is 17 * 23? Think step by step.", "Write a Python function that reverses a string.",

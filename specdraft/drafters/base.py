@@ -58,7 +58,7 @@ class NoDrafter:
         self.last = accepted.bonus
 
     def fork(self) -> "NoDrafter":
-        return NoDrafter()
+        return type(self)()
 
 
 @dataclass

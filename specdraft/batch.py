@@ -42,7 +42,9 @@ from specdraft.errors import SpecdraftError
 from specdraft.generate import Emitter, GenerateConfig, GenerationResult, GenerationStats, check_budget
 from specdraft.model.llama import ForwardOutput, KVCache, Transformer
 from specdraft.tree import Tree
-from specdraft.verify import argmax_rows, sample, verify
+from specdraft.verify import Accepted, argmax_rows, sample, verify
+
+MAX_DEFERRED = 256  # passes a drafter may fall behind (while its sequence drafts nothing) before it catches up
 
 
 class SlotCache:
@@ -127,6 +129,9 @@ class Sequence:
     hist: Counter = field(default_factory=Counter)
     committed: int = 0  # tokens the tree passes consumed
     features: list[dict] = field(default_factory=list)  # the prompt chunks' hidden states (drafters that read them)
+    root: int = -1  # the next tree's root: the last token produced
+    deferred: list[tuple[list[int], dict]] = field(default_factory=list)  # passes its drafter has not seen yet:
+    # (tokens produced, hidden rows of the committed nodes) while its budget is 0
     decoding: bool = False  # prefill done, first token out
     result: GenerationResult | None = None
     error: BaseException | None = None
@@ -249,7 +254,12 @@ class Batcher:
         for s in decoding:
             t0 = time.perf_counter()
             try:
-                tree = s.drafter.propose(min(b, s.budget))
+                budget = min(b, s.budget)
+                if budget == 0 and len(s.deferred) < MAX_DEFERRED:
+                    tree = Tree.single(s.root)  # drafts nothing: its drafter catches up later (``_catch_up``)
+                else:
+                    self._catch_up(s)
+                    tree = s.drafter.propose(budget)
             except Exception as e:  # this sequence fails, the others go on
                 self._leave(s, e)
                 left.append(s)
@@ -324,7 +334,7 @@ class Batcher:
             cfg = s.config
             first = argmax_rows(logits[None])[0] if cfg.sampling.greedy else sample(logits, cfg.sampling, s.generator)
             s.stats.prefill_s = time.perf_counter() - s.started
-            s.decoding = True
+            s.decoding, s.root = True, first
             s.emit.push([first])
             if s.emit.done:
                 return True
@@ -347,8 +357,26 @@ class Batcher:
         s.committed += s.emit.push(acc.new_tokens)
         if s.emit.done:
             return True
-        s.drafter.commit(acc, ForwardOutput(logits=out.logits[:, seg.logit_row:seg.logit_row + n], hidden=hidden))
+        s.root = acc.bonus
+        if n == 1:  # a lone root: the drafter catches up before it next drafts
+            s.deferred.append((acc.new_tokens, {k: v[:, acc.path].clone() for k, v in hidden.items()}))
+        else:
+            s.drafter.commit(acc, ForwardOutput(logits=out.logits[:, seg.logit_row:seg.logit_row + n], hidden=hidden))
         return s.length + s.budget + 2 > s.capacity  # context exhausted (as in ``generate``)
+
+    @staticmethod
+    def _catch_up(s: Sequence) -> None:
+        """Give the drafter the passes it has not seen, as one commit: the tokens produced since, and the
+        hidden rows of the nodes committed, in order (what its commits read, ``Accepted.path`` rows and
+        ``new_tokens``).  A drafter that steps over many positions at once (hybrid, block) does in one
+        call what one call per pass would; its drafts may differ in the last bits, the output cannot."""
+        if not s.deferred:
+            return
+        tokens = [t for new, _ in s.deferred for t in new]
+        hidden = {k: torch.cat([h[k] for _, h in s.deferred], 1) for k in s.deferred[0][1]}
+        s.deferred = []
+        s.drafter.commit(Accepted(path=list(range(len(tokens))), tokens=tokens[:-1], bonus=tokens[-1]),
+                         ForwardOutput(logits=None, hidden=hidden))
 
     def _leave(self, s: Sequence, error: BaseException | None) -> None:
         self.live.remove(s)

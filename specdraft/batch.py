@@ -37,7 +37,7 @@ import torch
 
 from specdraft.drafters.base import Drafter, NoDrafter
 from specdraft.engine import Cancelled, Engine
-from specdraft.drafters.budget import BATCH_RULE, batch_budget, budget_from_curve, load_cost_curve
+from specdraft.drafters.budget import BATCH_RULE, batch_budget, batch_rows, load_cost_curve
 from specdraft.errors import SpecdraftError
 from specdraft.generate import Emitter, GenerateConfig, GenerationResult, GenerationStats, check_budget
 from specdraft.model.llama import ForwardOutput, KVCache, Transformer
@@ -110,7 +110,7 @@ class SlotCache:
             kv.index_copy_(4, torch.tensor(dst, device=dev), kv.index_select(4, torch.tensor(src, device=dev)))
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity (two requests may be equal field for field)
 class Sequence:
     """One generation in the batch: its request, its slots, its drafter and what it has produced."""
 
@@ -141,7 +141,7 @@ class Sequence:
         return not self.decoding
 
 
-@dataclass
+@dataclass(eq=False)
 class _Segment:
     seq: Sequence
     lo: int  # its first row in the pass
@@ -181,6 +181,7 @@ class Batcher:
         self.draft_ms = manifest.get("budget_profile", {}).get("draft_ms")
         self.last_budget: int | None = None  # drafted nodes per tree in the last pass (for /health)
         self.last_rows = 0  # rows in the last pass
+        self.peak_live = 0  # most sequences in one pass so far
 
     # ------------------------------------------------------------------ admission
     def add(self, prompt_ids: list[int], config: GenerateConfig | None = None,
@@ -222,10 +223,10 @@ class Batcher:
         """The batch's state and its budget rule (the server's /health)."""
         decoding = sum(s.decoding for s in self.live)
         cap = max((s.budget for s in self.live), default=self.drafter.default_budget)
-        rows = (budget_from_curve(self.curve, default=cap) + 1) if self.curve is not None else cap + 1
+        rows = batch_rows(self.curve, cap)
         return {"max_batch": self.max_batch, "live": len(self.live), "prefilling": len(self.live) - decoding,
-                "budget_now": self.last_budget, "rows_last_pass": self.last_rows,
-                "budget_by_live": {n: self.budget(n) for n in (1, 2, 4, 8, 16) if n <= max(self.max_batch, 1)},
+                "budget_now": self.last_budget, "rows_last_pass": self.last_rows, "peak_live": self.peak_live,
+                "budget_by_live": {n: self.budget(n) for n in (1, 2, 4, 8, 16) if n <= self.max_batch},
                 "rows_per_pass": rows, "cost_curve": self.curve is not None, "profile": bool(self.profile),
                 "rule": BATCH_RULE}
 
@@ -260,6 +261,7 @@ class Batcher:
                 else:
                     self._catch_up(s)
                     tree = s.drafter.propose(budget)
+                self._check_tree(s, tree, budget)
             except Exception as e:  # this sequence fails, the others go on
                 self._leave(s, e)
                 left.append(s)
@@ -271,6 +273,7 @@ class Batcher:
         if not segments:
             return left
         self.last_budget, self.last_rows = b, rows
+        self.peak_live = max(self.peak_live, len(segments))
         t0 = time.perf_counter()
         try:
             out = self._forward(segments, rows)
@@ -295,6 +298,14 @@ class Batcher:
             if s in self.live:
                 self._leave(s, s.error)
         return left
+
+    def _check_tree(self, s: Sequence, tree: Tree, budget: int) -> None:
+        """A tree that would write past its sequence's range or cannot be embedded fails that sequence only."""
+        vocab = self.target.config.vocab_size
+        if len(tree) > budget + 1 or s.length + len(tree) > s.capacity:
+            raise SpecdraftError(f"the drafter proposed {len(tree) - 1} nodes for a budget of {budget}")
+        if tree.tokens[0] != s.root or not all(0 <= t < vocab for t in tree.tokens):
+            raise SpecdraftError("the drafter proposed a tree with a wrong root or a token outside the vocabulary")
 
     def _forward(self, segments: list[_Segment], rows: int) -> ForwardOutput:
         """One target pass over the segments' rows (the module docstring's mask and positions)."""

@@ -31,7 +31,10 @@ class Drafter(Protocol):
         """A tree rooted at the last committed token with at most ``budget`` drafted nodes."""
 
     def commit(self, accepted: Accepted, out: ForwardOutput) -> None:
-        """The verifier kept ``accepted`` (out = the tree pass's output, for its features)."""
+        """The verifier kept ``accepted``: ``out.hidden[layer][0, accepted.path]`` are the features of the
+        committed nodes, ``accepted.new_tokens`` the token after each.  A drafter reads nothing else: the
+        batch (``batch.Batcher``) may hand it several passes at once, rows concatenated, ``out.logits``
+        None."""
 
     def fork(self) -> "Drafter":
         """A drafter for another sequence: the same network, options and budget, its own state (the

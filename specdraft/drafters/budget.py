@@ -134,5 +134,12 @@ def batch_budget(curve: dict | None, live: int, budget: int, profile: dict | Non
             return live * tokens[b] / (pass_ratio(curve, live * (b + 1)) + extra)
 
         return max(tokens, key=lambda b: (rate(b), -b))
-    rows = budget_from_curve(curve, default=budget) + 1 if curve is not None else budget + 1
-    return max(0, min(budget, rows // live - 1))
+    return max(0, min(budget, batch_rows(curve, budget) // live - 1))
+
+
+def batch_rows(curve: dict | None, budget: int) -> int:
+    """R of ``BATCH_RULE``: the rows of the largest pass costing <= 1.5x one token (not capped at one tree's
+    size as ``budget_from_curve`` is); ``budget`` + 1 without a curve."""
+    if curve is None:
+        return budget + 1
+    return budget_from_curve(curve, default=budget, cap=max(int(n) for n in curve["n"])) + 1

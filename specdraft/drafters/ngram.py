@@ -57,7 +57,7 @@ class NgramDrafter:
         self._extend(accepted.new_tokens)
 
     def fork(self) -> "NgramDrafter":
-        new = NgramDrafter(self.cfg)
+        new = type(self)(self.cfg)
         new.default_budget = self.default_budget
         return new
 

@@ -433,6 +433,9 @@ class ServerThread:
         deadline = time.monotonic() + 30
         while not self.server.started:
             if not self.thread.is_alive() or time.monotonic() > deadline:
+                self.server.should_exit = True
+                self.server.queue.shutdown()
+                self.sock.close()
                 raise RuntimeError("the server did not start")
             time.sleep(0.02)
         return self
@@ -464,6 +467,7 @@ def serve(queue: RequestQueue, host: str = "127.0.0.1", port: int = 8000, quiet:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        server.should_exit = True  # also when the loop itself failed
         queue.shutdown()
         http.join(timeout=GRACE_S + STOP_S + 5)
     if not server.started:  # uvicorn has logged why (the port is taken, ...)

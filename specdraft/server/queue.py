@@ -84,7 +84,6 @@ class RequestQueue:
         self._jobs: set[int] = set()  # ids of admitted jobs (running or waiting)
         self._cancels: dict[int, threading.Event] = {}
         self.closed = False  # set by shutdown(): nothing more is admitted
-        self.running = False
         self.completed = 0  # generations that finished
         self.cancelled = 0  # generations stopped by their cancel flag
         self.failed = 0
@@ -116,9 +115,9 @@ class RequestQueue:
 
     def load(self) -> dict:
         with self._lock:
-            admitted = len(self._jobs)
-        running = len(self.batcher.live) if self.batcher is not None else (1 if self.running else 0)
-        return {"running": running, "waiting": max(0, admitted - running), "capacity": self.capacity,
+            admitted, waiting = len(self._jobs), len(self._waiting)
+        running = admitted - waiting  # taken from the queue and not answered yet
+        return {"running": running, "waiting": waiting, "capacity": self.capacity,
                 "completed": self.completed, "cancelled": self.cancelled, "failed": self.failed}
 
     def submit(self, ids: list[int], config: GenerateConfig, on_text: Callable[[str], None] | None = None) -> Job | None:
@@ -154,14 +153,15 @@ class RequestQueue:
                         return
                     self._wake.wait(timeout=0.5)
                 if self.batcher is None:
-                    job = self._waiting.popleft()
+                    jobs = [self._waiting.popleft()]
                 else:
-                    job = None
-                    while self._waiting and len(self.batcher.live) < self.max_batch:
-                        self._admit(self._waiting.popleft())
-            if job is not None:
-                self._run(job)
+                    room = self.max_batch - len(self.batcher.live)
+                    jobs = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+            if self.batcher is None:
+                self._run(jobs[0])
             else:
+                for job in jobs:  # outside the lock: admitting may grow the KV cache
+                    self._admit(job)
                 self._step()
 
     def _run(self, job: Job) -> None:
@@ -171,7 +171,6 @@ class RequestQueue:
         try:
             if job.cancel.is_set():
                 raise Cancelled()
-            self.running = True
             result = self.engine.generate(job.prompt_ids, job.config, on_text=job.on_text, cancel=job.cancel)
         except Cancelled as e:
             self.cancelled += 1
@@ -182,7 +181,6 @@ class RequestQueue:
         else:
             self.completed += 1
             self.metrics.observe(result.stats, queued_s=job.started - job.admitted)
-        self.running = False  # before the answer: a client that gets it sees the server idle
         self._settle(job, result=result, error=error)
 
     def _step(self) -> None:
@@ -190,27 +188,31 @@ class RequestQueue:
         b = self.batcher
         try:
             left = b.step()
-        except BaseException as e:  # not expected (step reports failures per sequence): fail the whole batch
-            left = list(b.live)
-            for s in left:
-                b.live.remove(s)
-                b.slots.release(s.base)
-                s.error = e
+        except Exception as e:  # not expected (step reports failures per sequence): fail every job in the batch
+            left = [s for s in b.live]
+            b.live.clear()
+            for base in list(b.slots.used):
+                b.slots.release(base)
+            for job in self._in_batch.values():
+                self.failed += 1
+                self._settle(job, error=e)
+            self._in_batch.clear()
+            return
         for s in left:
             self._done(s)
 
     def _admit(self, job: Job) -> None:
-        """Move a waiting job into the batch (lock held)."""
+        """Move a job taken from the queue into the batch."""
         job.started = time.perf_counter()
         if job.cancel.is_set():
             self.cancelled += 1
-            self._settle(job, error=Cancelled(), locked=True)
+            self._settle(job, error=Cancelled())
             return
         try:
             seq = self.batcher.add(job.prompt_ids, job.config, on_text=job.on_text, cancel=job.cancel)
         except Exception as e:  # a request the batch cannot take (checked as a single generation would be)
             self.failed += 1
-            self._settle(job, error=e, locked=True)
+            self._settle(job, error=e)
             return
         self._in_batch[id(seq)] = job
 
@@ -227,14 +229,11 @@ class RequestQueue:
                 self.failed += 1
             self._settle(job, error=seq.error)
 
-    def _settle(self, job: Job, result: GenerationResult | None = None, error: BaseException | None = None,
-                locked: bool = False) -> None:
-        """Free the job's place and answer its waiter."""
-        if locked:
-            self._jobs.discard(id(job))
-            self._cancels.pop(id(job), None)
-        else:
-            self._release(job)
+    def _settle(self, job: Job, result: GenerationResult | None = None, error: BaseException | None = None) -> None:
+        """Free the job's place and answer its waiter (unless someone cancelled its future)."""
+        self._release(job)
+        if not job.future.set_running_or_notify_cancel():
+            return
         if error is not None:
             job.future.set_exception(error)
         else:

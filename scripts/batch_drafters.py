@@ -2,7 +2,8 @@
 and through a ``Batcher`` kept full (a new request joins whenever one leaves), side by side in one run.
 
     .venv/bin/python scripts/batch_drafters.py --drafters none,ngram,phrase,gumiho --requests 24 --max-batch 8 \\
-        --max-tokens 128 --json-out docs/results/batching/drafters.json
+        --max-tokens 128 --json-out docs/results/batching/drafters.json --plot docs/results/batching/drafters.png
+    .venv/bin/python scripts/batch_drafters.py --from docs/results/batching/drafters.json --plot drafters.png
 
 Per drafter: total tok/s of both, the ratio, answers equal to the one-at-a-time run (greedy: they must
 all be), passes, tokens per pass, and the drafting time per sequence and pass in the batch (what one
@@ -21,6 +22,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from load_check import prompts  # noqa: E402
 
 
+def plot(out: dict, path: str) -> None:
+    """Grouped bars: tok/s one at a time and in the batch, per drafter."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = out["rows"]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    ax.bar([i - 0.2 for i in x], [r["sequential_tok_s"] for r in rows], 0.4, label="one at a time")
+    ax.bar([i + 0.2 for i in x], [r["batched_tok_s"] for r in rows], 0.4, label=f"batch of {out['max_batch']}")
+    for i, r in zip(x, rows):
+        ax.text(i + 0.2, r["batched_tok_s"], f"{r['ratio']:.2f}x", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(x), [r["drafter"] for r in rows])
+    ax.set_ylabel("tok/s, all requests")
+    ax.set_ylim(0, 1.3 * max(r["batched_tok_s"] for r in rows))
+    ax.set_title(f"{out['target']}: {out['requests']} requests x {out['max_tokens']} tokens, greedy (answers equal)",
+                 fontsize=9)
+    ax.legend(fontsize=8, loc="upper left", ncols=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="default")
@@ -29,7 +55,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--plot", default=None, help="draw the tok/s bars to this PNG")
+    ap.add_argument("--from", dest="source", default=None, help="redraw the plot of an earlier --json-out; measure nothing")
     args = ap.parse_args(argv)
+    if args.source:
+        if not args.plot:
+            sys.exit("error: --from needs --plot")
+        plot(json.loads(Path(args.source).read_text()), args.plot)
+        return 0
 
     from specdraft.batch import Batcher
     from specdraft.drafters import make_drafter
@@ -79,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(out, indent=1))
+    if args.plot:
+        plot(out, args.plot)
     return 0 if all(r["equal"] == r["requests"] for r in rows) else 1
 
 

@@ -233,6 +233,12 @@ def build_parser() -> argparse.ArgumentParser:
     tpr.add_argument("--quiet", action="store_true")
     _add_target_args(tpr)
 
+    ex = sub.add_parser("export-target", help="write the target as a Hugging Face folder (config.json, safetensors, "
+                        "tokenizer) for other engines' tools")
+    ex.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct GGUF), a .gguf file or an HF folder")
+    ex.add_argument("--out", required=True, help="the folder to write (must not exist or be empty)")
+    ex.add_argument("--force", action="store_true", help="replace --out if it exists")
+
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat/completions, completions, models, health)")
     _add_target_args(sv)
     sv.add_argument("--drafter", default="ngram", help=DRAFTER_HELP + " (default: ngram)")
@@ -389,6 +395,13 @@ def cmd_bench(args) -> None:
     print(f"wrote {Path(args.out) / 'results.json'} and {Path(args.out) / 'speedup.png'}", file=sys.stderr)
     if args.report:
         print(f"wrote {write_report(args.out)}", file=sys.stderr)
+
+
+def cmd_export_target(args) -> None:
+    from specdraft.export import export_target
+
+    out = export_target(args.target, args.out, force=args.force)
+    print(f"wrote {out} (config.json, model.safetensors, tokenizer files, README.md)", file=sys.stderr)
 
 
 def cmd_drafters(args) -> None:
@@ -590,6 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # --help (0) or a usage error (2, already printed)
         return int(e.code or 0)
     commands = {"generate": cmd_generate, "drafters": cmd_drafters, "bench": cmd_bench, "data": cmd_data, "serve": cmd_serve,
+                "export-target": cmd_export_target,
                 "chat": cmd_chat, "train": cmd_train, "analyze": cmd_analyze}
     try:
         commands[args.command](args)

@@ -20,7 +20,7 @@ LAYERS = {
     "specdraft.drafters": 4,
     "specdraft.generate": 5, "specdraft.engine": 5, "specdraft.batch": 5, "specdraft.replay": 5,
     "specdraft.datasets": 5,
-    "specdraft.train": 6, "specdraft.bench": 6, "specdraft.server": 6, "specdraft.chat": 6,
+    "specdraft.train": 6, "specdraft.bench": 6, "specdraft.server": 6, "specdraft.export": 6, "specdraft.chat": 6,
     "specdraft.cli": 7,
     "specdraft": 8,  # the package's own __init__: the public API, on top of everything
 }

@@ -4,7 +4,7 @@ Every answer is compared with offline greedy decoding (``specdraft.generate.gene
 drafter) of the same prompt ids; the script reports p50/p95 latency, time to first token of the
 streamed requests and total throughput, and exits non-zero on any error or mismatch.
 
-    .venv/bin/python scripts/load_check.py                        # in-process server, default target, ngram
+    .venv/bin/python scripts/load_check.py                        # starts `specdraft serve`: default target, ngram
     .venv/bin/python scripts/load_check.py --clients 8 --requests 5 --max-tokens 128 --compare --json
     .venv/bin/python scripts/load_check.py --clients 8 --requests 5 --max-tokens 32 --json-out load.json
     .venv/bin/python scripts/load_check.py --url http://127.0.0.1:8000   # a running `specdraft serve`
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=5, help="requests per client")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-batch", type=int, default=None,
-                    help="the in-process server's --max-batch (default: one place per client)")
+                    help="the started server's --max-batch (default: one place per client)")
     ap.add_argument("--compare", action="store_true",
                     help="run --max-batch 1 and the batched server back to back on the same requests")
     ap.add_argument("--url", default=None, help="a running server on loopback (default: start `specdraft serve`)")

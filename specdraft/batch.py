@@ -39,7 +39,7 @@ from specdraft.drafters.base import Drafter, NoDrafter
 from specdraft.engine import Cancelled, Engine
 from specdraft.drafters.budget import BATCH_RULE, batch_budget, batch_rows, load_cost_curve
 from specdraft.errors import SpecdraftError
-from specdraft.generate import Emitter, GenerateConfig, GenerationResult, GenerationStats, check_budget
+from specdraft.generate import Emitter, GenerateConfig, GenerationResult, GenerationStats, plan
 from specdraft.model.llama import ForwardOutput, KVCache, Transformer
 from specdraft.tree import Tree
 from specdraft.verify import Accepted, argmax_rows, sample, verify
@@ -188,42 +188,28 @@ class Batcher:
             on_text: Callable[[str], None] | None = None, cancel: threading.Event | None = None) -> Sequence:
         """Start a generation at the next pass (checks as ``generate``; refused when the batch is full)."""
         cfg = config or GenerateConfig()
-        target = self.target
         if len(self.live) >= self.max_batch:
             raise SpecdraftError(f"the batch is full ({self.max_batch} sequences)")
-        if not prompt_ids:
-            raise SpecdraftError("the prompt is empty")
-        if cfg.max_new_tokens < 1:
-            raise SpecdraftError(f"max new tokens must be >= 1 (got {cfg.max_new_tokens})")
-        ctx = target.config.max_position
-        if len(prompt_ids) >= ctx:
-            raise SpecdraftError(f"the prompt is {len(prompt_ids)} tokens, longer than the target's context of {ctx}")
-        budget = self.drafter.default_budget if cfg.budget is None else cfg.budget
-        check_budget(budget, target)
-        max_new = min(cfg.max_new_tokens, ctx - len(prompt_ids))
-        capacity = len(prompt_ids) + max_new + budget + 1
-        window = target.config.sliding_window
-        if window is not None and capacity > window:
-            raise SpecdraftError(f"sequences past the sliding window ({window} tokens) are not supported yet")
-        gen = None
-        if not cfg.sampling.greedy:
-            gen = torch.Generator(device=target.device).manual_seed(0 if cfg.seed is None else cfg.seed)
-        seq = Sequence(list(prompt_ids), cfg, self.drafter.fork(), Emitter(target, max_new, cfg.stop, on_text),
-                       budget, self.slots.alloc(capacity), capacity, cancel, gen)
+        p = plan(self.target, prompt_ids, self.drafter, cfg)
+        seq = Sequence(list(prompt_ids), cfg, self.drafter.fork(), Emitter(self.target, p.max_new, cfg.stop, on_text),
+                       p.budget, self.slots.alloc(p.slots), p.slots, cancel, p.generator)
         self.live.append(seq)
         return seq
 
     # ------------------------------------------------------------------ the budget rule
+    @property
+    def cap(self) -> int:
+        """The largest own budget among the live sequences (the drafter's without any): the rule's B."""
+        return max((s.budget for s in self.live), default=self.drafter.default_budget)
+
     def budget(self, live: int) -> int:
         """Drafted nodes per tree (before each sequence's own cap) with ``live`` decoding sequences."""
-        cap = max((s.budget for s in self.live), default=self.drafter.default_budget)
-        return batch_budget(self.curve, live, cap, self.profile, self.draft_ms)
+        return batch_budget(self.curve, live, self.cap, self.profile, self.draft_ms)
 
     def health(self) -> dict:
         """The batch's state and its budget rule (the server's /health)."""
         decoding = sum(s.decoding for s in self.live)
-        cap = max((s.budget for s in self.live), default=self.drafter.default_budget)
-        rows = batch_rows(self.curve, cap)
+        rows = batch_rows(self.curve, self.cap)
         return {"max_batch": self.max_batch, "live": len(self.live), "prefilling": len(self.live) - decoding,
                 "budget_now": self.last_budget, "rows_last_pass": self.last_rows, "peak_live": self.peak_live,
                 "budget_by_live": {n: self.budget(n) for n in (1, 2, 4, 8, 16) if n <= self.max_batch},

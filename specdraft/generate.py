@@ -72,6 +72,39 @@ def check_budget(budget: int, target: Target) -> None:
         raise SpecdraftError(f"budget {budget} does not fit the target's context of {target.config.max_position} tokens")
 
 
+@dataclass
+class Plan:
+    """What a generation starts with, once its request has been checked (``plan``)."""
+
+    budget: int  # drafted nodes per tree
+    max_new: int  # tokens to generate at most (the configured limit, or less where the context ends)
+    slots: int  # cache slots the sequence may fill: prompt + max_new + budget + 1
+    generator: torch.Generator | None  # the sampling stream, seeded (None: greedy)
+
+
+def plan(target: Target, prompt_ids: list[int], drafter: Drafter, cfg: GenerateConfig) -> Plan:
+    """Check a request (prompt, max tokens, budget, context, sliding window) and derive its ``Plan``; shared
+    by ``generate`` and the batch (``batch.Batcher.add``), so both refuse and size a request alike."""
+    if not prompt_ids:
+        raise SpecdraftError("the prompt is empty")
+    if cfg.max_new_tokens < 1:
+        raise SpecdraftError(f"max new tokens must be >= 1 (got {cfg.max_new_tokens})")
+    budget = drafter.default_budget if cfg.budget is None else cfg.budget
+    check_budget(budget, target)
+    n, ctx = len(prompt_ids), target.config.max_position
+    if n >= ctx:
+        raise SpecdraftError(f"the prompt is {n} tokens, longer than the target's context of {ctx}")
+    max_new = min(cfg.max_new_tokens, ctx - n)
+    slots = n + max_new + budget + 1
+    window = target.config.sliding_window
+    if window is not None and slots > window:
+        raise SpecdraftError(f"sequences past the sliding window ({window} tokens) are not supported yet")
+    gen = None
+    if not cfg.sampling.greedy:
+        gen = torch.Generator(device=target.device).manual_seed(0 if cfg.seed is None else cfg.seed)
+    return Plan(budget, max_new, slots, gen)
+
+
 def _first_stop(text: str, stops: list[str]) -> int:
     hits = [i for i in (text.find(s) for s in stops) if i >= 0]
     return min(hits) if hits else -1
@@ -135,25 +168,14 @@ def generate(
     """Generate from ``prompt_ids``; ``on_text`` receives the text as it is accepted."""
     cfg = config or GenerateConfig()
     drafter = drafter or NoDrafter()
-    if not prompt_ids:
-        raise SpecdraftError("the prompt is empty")
-    if cfg.max_new_tokens < 1:
-        raise SpecdraftError(f"max new tokens must be >= 1 (got {cfg.max_new_tokens})")
-    budget = drafter.default_budget if cfg.budget is None else cfg.budget
-    check_budget(budget, target)
-    ctx = target.config.max_position
-    max_new = min(cfg.max_new_tokens, ctx - len(prompt_ids))
-    s = cfg.sampling
-    gen = None
-    if not s.greedy:
-        gen = torch.Generator(device=target.device).manual_seed(0 if cfg.seed is None else cfg.seed)
+    p = plan(target, prompt_ids, drafter, cfg)
+    budget, max_new, gen, s = p.budget, p.max_new, p.generator, cfg.sampling
     stats = GenerationStats()
     hist: Counter[int] = Counter()
     t_start = time.perf_counter()
 
     target.prepare(budget)
-    out = target.prefill(prompt_ids, max_slots=len(prompt_ids) + max_new + budget + 1,
-                         hidden_layers=drafter.hidden_layers)
+    out = target.prefill(prompt_ids, max_slots=p.slots, hidden_layers=drafter.hidden_layers)
     last_logits = out.logits[0, -1]
     if s.greedy:
         first = argmax_rows(last_logits[None])[0]

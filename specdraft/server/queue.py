@@ -189,7 +189,6 @@ class RequestQueue:
         try:
             left = b.step()
         except Exception as e:  # not expected (step reports failures per sequence): fail every job in the batch
-            left = [s for s in b.live]
             b.live.clear()
             for base in list(b.slots.used):
                 b.slots.release(base)

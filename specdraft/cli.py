@@ -31,6 +31,7 @@ from specdraft.nn.phrase import FEATURE_LAYER
 from specdraft.server.queue import RequestQueue
 from specdraft.train.block import BlockTrainConfig, train_block
 from specdraft.train.data import BuildConfig, build_data, cache_features, read_manifest
+from specdraft.nn.eagle3 import default_layers
 from specdraft.train.hybrid import HybridTrainConfig, train_hybrid
 from specdraft.train.phrase import PhraseTrainConfig, train_phrase
 from specdraft.train.profile import add_budget_profile
@@ -209,6 +210,19 @@ def build_parser() -> argparse.ArgumentParser:
                          "fine-tuning, e.g. on more data")
     _add_trainer_args(th, many=True)
     _add_target_args(th)
+    te = tsub.add_parser("eagle3", help="train an EAGLE-3 drafter (EAGLE-3's exact architecture and training-time test; "
+                         "`specdraft export` writes it for vLLM, SGLang and llama.cpp)")
+    te.add_argument("--steps", type=int, default=7, help="draft depth: serial steps drafted and trained (default 7)")
+    te.add_argument("--layers", default="",
+                    help="the 3 target layers whose inputs fc fuses (default EAGLE-3's: 2, L//2, L-3)")
+    te.add_argument("--epochs", type=int, default=4)
+    te.add_argument("--anchors", type=int, default=64, help="positions sampled per sequence per epoch (0 = all)")
+    te.add_argument("--distill", type=_finite, default=1.0,
+                    help="share of each step's cross-entropy taken against the target's own distribution, in [0, 1] "
+                         "(default 1, as EAGLE-3; needs the final layer, -1, in the feature cache)")
+    te.add_argument("--init", default="", help="start from this trained eagle3 checkpoint (same shape): fine-tuning")
+    _add_trainer_args(te, many=True)
+    _add_target_args(te)
     tb = tsub.add_parser("block", help="train a block drafter: DFlash (--modes 1) or Multi-Future Drafting (--modes K)")
     tb.add_argument("--modes", type=int, default=1, help="K mode embeddings, blocks drafted per pass (default 1)")
     tb.add_argument("--layers", default="3,15,27", help="target features fused into the context (default 3,15,27)")
@@ -238,6 +252,14 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--target", default="default", help="'default' (SmolLM2-135M-Instruct GGUF), a .gguf file or an HF folder")
     ex.add_argument("--out", required=True, help="the folder to write (must not exist or be empty)")
     ex.add_argument("--force", action="store_true", help="replace --out if it exists")
+
+    ed = sub.add_parser("export", help="write a trained drafter in a serving engine's format (eagle3: vLLM, SGLang, "
+                        "llama.cpp) with config.json, model.safetensors and a README of serving commands")
+    ed.add_argument("drafter", help="a shipped drafter's name (e.g. eagle3) or a checkpoint path")
+    ed.add_argument("--format", required=True, choices=("eagle3", "dflash"), help="the drafter format to write")
+    ed.add_argument("--out", required=True, help="the folder to write (must not exist or be empty)")
+    ed.add_argument("--force", action="store_true", help="replace --out if it exists")
+    _add_target_args(ed)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat/completions, completions, models, health)")
     _add_target_args(sv)
@@ -404,6 +426,13 @@ def cmd_export_target(args) -> None:
     print(f"wrote {out} (config.json, model.safetensors, tokenizer files, README.md)", file=sys.stderr)
 
 
+def cmd_export(args) -> None:
+    from specdraft.export import export_drafter
+
+    out = export_drafter(_engine(args).target, args.drafter, args.format, args.out, force=args.force)
+    print(f"wrote {out} (config.json, model.safetensors, README.md with the serving commands)", file=sys.stderr)
+
+
 def cmd_drafters(args) -> None:
     if args.markdown:
         print(drafters_table())
@@ -473,6 +502,27 @@ def cmd_train(args) -> None:
         if args.init and not Path(args.init).is_file():
             raise SpecdraftError(f"--init {args.init}: no such checkpoint")
         target = _engine(args).target
+        log = (lambda *a, **k: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+        train_hybrid(target, args.data, args.features, args.out, cfg, quiet=args.quiet, log=log)
+    elif args.train_command == "eagle3":
+        for name in ("epochs", "batch_tokens", "steps"):
+            if getattr(args, name) < 1:
+                raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 1")
+        for name in ("anchors", "draft_vocab", "shards"):
+            if getattr(args, name) < 0:
+                raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 0")
+        if not str(args.out).endswith(".safetensors"):
+            raise SpecdraftError("--out must be a .safetensors file")
+        for d in args.data:
+            read_manifest(Path(d))  # a clear error for a folder that is not a data build
+        if args.init and not Path(args.init).is_file():
+            raise SpecdraftError(f"--init {args.init}: no such checkpoint")
+        target = _engine(args).target
+        layers = _layers(args.layers) if args.layers else default_layers(target.config.num_layers)
+        cfg = HybridTrainConfig(arch="eagle3", serial=args.steps, parallel=0, feature_layers=layers,
+                                draft_vocab=args.draft_vocab, epochs=args.epochs, anchors=args.anchors,
+                                batch_tokens=args.batch_tokens, lr=args.lr, distill=args.distill, init=args.init,
+                                shards=args.shards, seed=args.seed)
         log = (lambda *a, **k: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
         train_hybrid(target, args.data, args.features, args.out, cfg, quiet=args.quiet, log=log)
     elif args.train_command == "profile":
@@ -603,7 +653,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # --help (0) or a usage error (2, already printed)
         return int(e.code or 0)
     commands = {"generate": cmd_generate, "drafters": cmd_drafters, "bench": cmd_bench, "data": cmd_data, "serve": cmd_serve,
-                "export-target": cmd_export_target,
+                "export-target": cmd_export_target, "export": cmd_export,
                 "chat": cmd_chat, "train": cmd_train, "analyze": cmd_analyze}
     try:
         commands[args.command](args)

@@ -157,8 +157,8 @@ TRAIN_PROMPTS = ["What is 17 * 23? Think step by step.", "Write a Python functio
 
 @pytest.fixture(scope="session")
 def tiny_train_data(tiny_chat_target, tmp_path_factory):
-    """Training data of the tiny chat target on real prompts (responses, and features of layers 1
-    and final), shared read-only by the hybrid and block trainer tests."""
+    """Training data of the tiny chat target on real prompts (responses, and features of layers 0, 1,
+    2 and final), shared read-only by the hybrid, eagle3 and block trainer tests."""
     from specdraft.model.llama import FINAL
     from specdraft.train import data as D
     from specdraft.train.prompts import Prompt
@@ -167,5 +167,5 @@ def tiny_train_data(tiny_chat_target, tmp_path_factory):
     prompts = [Prompt(id=i, source="gsm", text=f"{t} (variant {i})") for i, t in enumerate(TRAIN_PROMPTS * 2)]
     cfg = D.BuildConfig(n_prompts=len(prompts), max_new_tokens=32, batch_size=6, shard_size=5, sources=("gsm",))
     D.build_data(tiny_chat_target, root / "data", cfg, quiet=True, prompts=prompts)
-    D.cache_features(tiny_chat_target, root / "data", root / "feat", (1, FINAL), quiet=True)
+    D.cache_features(tiny_chat_target, root / "data", root / "feat", (0, 1, 2, FINAL), quiet=True)
     return root

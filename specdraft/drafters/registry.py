@@ -81,10 +81,15 @@ REGISTRY: dict[str, DrafterSpec] = {s.name: s for s in (
             "--layers 3,15,27,-1"),
     _hybrid("eagle", "EAGLE-style: a serial decoder layer on fused target features, run step by step",
             "--serial 7 --parallel 0 --distill 1.0 --layers 3,15,27,-1"),
+    DrafterSpec("eagle3", "EAGLE-3 exactly: fc over 3 target layers, one decoder layer over [embedding ; state], its own "
+                "LM head; exports to vLLM, SGLang and llama.cpp", HybridOptions, load_hybrid, HybridDrafter.default_budget,
+                kind="eagle3", weights="eagle3_smollm2_135m.safetensors", lookup=True, scale_with_curve=True,
+                train="specdraft train eagle3 --data data/smollm2 --features data/smollm2_feat_e3 --out {path}"),
     _block("block", "DFlash block drafter: one pass drafts a block of 7 positions, DDTree product tree", 1),
     _block("mfd", "Multi-Future Drafting: K=4 mode embeddings draft 4 blocks in one pass, mixture tree", 4),
 )}
-BY_KIND = {"phrase": REGISTRY["phrase"], "hybrid": REGISTRY["gumiho"], "block": REGISTRY["block"]}  # for checkpoint paths
+BY_KIND = {"phrase": REGISTRY["phrase"], "hybrid": REGISTRY["gumiho"], "eagle3": REGISTRY["eagle3"],
+           "block": REGISTRY["block"]}  # for checkpoint paths
 DRAFTERS = tuple(REGISTRY)
 
 

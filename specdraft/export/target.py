@@ -11,14 +11,12 @@ order (the GGUF permutation undone, as the loader does).
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from specdraft.errors import SpecdraftError
+from specdraft.export.folder import check_out, new_folder
 from specdraft.model.load import LoadedWeights, load_tokenizer, load_weights
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -37,17 +35,9 @@ def hf_config(w: LoadedWeights) -> dict:
 def export_target(target: str, out: str | Path, force: bool = False) -> Path:
     """Write ``target`` as an HF folder at ``out`` (refused if ``out`` exists and is not empty, unless
     ``force``); written to a temporary folder first, so a failed export leaves nothing half-written."""
-    out = Path(out).expanduser()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        if not force:
-            raise SpecdraftError(f"{out} exists and is not an empty folder (--force replaces it)")
-        if not out.is_dir():
-            raise SpecdraftError(f"{out} is a file, not a folder")
+    out = check_out(out, force)
     w = load_weights(target)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with new_folder(out) as tmp:
         sd = {k: v.detach().to(torch.float32).contiguous() for k, v in w.state_dict.items()}
         if w.config.tie_embeddings:
             sd.pop("lm_head.weight", None)  # tied: HF rebuilds it from the embeddings
@@ -60,10 +50,4 @@ def export_target(target: str, out: str | Path, force: bool = False) -> Path:
             f"{w.weight_hash}).\n\nWeights: fp32, Hugging Face tensor names"
             + (" (a GGUF's quantized blocks dequantized)" if w.quantized else "") + ". Tokenizer and chat "
             "template as the source's.\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

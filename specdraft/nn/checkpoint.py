@@ -20,11 +20,13 @@ from torch import nn
 
 from specdraft.errors import SpecdraftError
 from specdraft.nn.block import BlockConfig, BlockModel
+from specdraft.nn.eagle3 import Eagle3Config, Eagle3Model
 from specdraft.nn.hybrid import HybridConfig, HybridModel
 from specdraft.nn.phrase import PhraseHead, PhraseHeadConfig, PhraseVocab
 
 MANIFEST_KEY = "specdraft_manifest"
-MODELS = {"hybrid": (HybridConfig, HybridModel), "block": (BlockConfig, BlockModel)}  # kind -> (config, network)
+MODELS = {"hybrid": (HybridConfig, HybridModel), "block": (BlockConfig, BlockModel),
+          "eagle3": (Eagle3Config, Eagle3Model)}  # kind -> (config, network)
 
 
 def save_checkpoint(path: str | Path, tensors: dict[str, torch.Tensor], manifest: dict) -> None:
@@ -79,7 +81,7 @@ def check_fits(cfg, target, path: str | Path) -> None:
 
 
 def checkpoint_kind(path: str | Path) -> str:
-    """The drafter kind a checkpoint's manifest states ("phrase", "hybrid", "block")."""
+    """The drafter kind a checkpoint's manifest states ("phrase", "hybrid", "eagle3", "block")."""
     try:
         with safe_open(str(path), framework="pt") as f:
             return json.loads((f.metadata() or {})[MANIFEST_KEY])["kind"]

@@ -49,25 +49,27 @@ class TargetShape:
 
 class DraftLayer(nn.Module):
     """One decoder layer (pre-norm attention + SwiGLU), returning its new keys/values so the
-    caller decides where they live: a cache at inference, plain tensors in training."""
+    caller decides where they live: a cache at inference, plain tensors in training.  ``d_in``: the
+    width its attention reads (H; EAGLE-3's layer reads 2H, ``nn.eagle3``)."""
 
-    def __init__(self, cfg: TargetShape) -> None:
+    def __init__(self, cfg: TargetShape, d_in: int | None = None) -> None:
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.hq, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, d
         self.attn_norm = RMSNorm(h, cfg.rms_eps)
-        self.wqkv = nn.Linear(h, (self.hq + 2 * self.hkv) * d, bias=False)
+        self.wqkv = nn.Linear(d_in or h, (self.hq + 2 * self.hkv) * d, bias=False)
         self.wo = nn.Linear(self.hq * d, h, bias=False)
         self.mlp_norm = RMSNorm(h, cfg.rms_eps)
         self.w_gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
         self.w_down = nn.Linear(cfg.intermediate_size, h, bias=False)
 
-    def forward(self, x: Tensor, rot: Tensor, mask: Tensor | None, past_k: Tensor | None = None,
-                past_v: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        # x: [B, T, H]; rot: complex [B, T, 1, D/2]; mask: bool [B, 1, T, P+T] (True = may attend) or
-        # None (all visible); past_k/v: [B, Hkv, P, D].  Returns (y [B, T, H], k, v [B, Hkv, T, D]).
+    def attend(self, x: Tensor, rot: Tensor, mask: Tensor | None, past_k: Tensor | None = None,
+               past_v: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        # x: [B, T, d_in] (already normed); rot: complex [B, T, 1, D/2]; mask: bool [B, 1, T, P+T]
+        # (True = may attend) or None (all visible); past_k/v: [B, Hkv, P, D].
+        # Returns (attention output after wo [B, T, H], k, v [B, Hkv, T, D]).
         b, t, _ = x.shape
-        qkv = self.wqkv(self.attn_norm(x)).unflatten(-1, (self.hq + 2 * self.hkv, self.d))  # [B, T, heads, D]
+        qkv = self.wqkv(x).unflatten(-1, (self.hq + 2 * self.hkv, self.d))  # [B, T, heads, D]
         qk = apply_rope(qkv[:, :, : self.hq + self.hkv], rot).transpose(1, 2)  # [B, Hq + Hkv, T, D]
         q, k = qk[:, : self.hq], qk[:, self.hq :]
         v = qkv[:, :, self.hq + self.hkv :].transpose(1, 2)  # [B, Hkv, T, D]
@@ -79,9 +81,18 @@ class DraftLayer(nn.Module):
         if mask is not None and g > 1:
             mask = mask.repeat(1, 1, g, 1)
         att = F.scaled_dot_product_attention(q.reshape(b, self.hkv, g * t, self.d), keys, values, attn_mask=mask)
-        x = x + self.wo(att.reshape(b, self.hq, t, self.d).transpose(1, 2).reshape(b, t, self.hq * self.d))
+        return self.wo(att.reshape(b, self.hq, t, self.d).transpose(1, 2).reshape(b, t, self.hq * self.d)), k, v
+
+    def mlp(self, x: Tensor) -> Tensor:
+        """x + SwiGLU(mlp_norm(x)), [B, T, H]."""
         gate, up = self.w_gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
-        return x + self.w_down(F.silu(gate) * up), k, v
+        return x + self.w_down(F.silu(gate) * up)
+
+    def forward(self, x: Tensor, rot: Tensor, mask: Tensor | None, past_k: Tensor | None = None,
+                past_v: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        # x: [B, T, H].  Returns (y [B, T, H], k, v [B, Hkv, T, D]).
+        a, k, v = self.attend(self.attn_norm(x), rot, mask, past_k, past_v)
+        return self.mlp(x + a), k, v
 
 
 class MLPHead(nn.Module):
@@ -141,6 +152,10 @@ class DraftModel(nn.Module):
             return True
         self._head = prepack_model(self, self.head_w)
         return self._head is not None
+
+    def teacher_logits(self, f: Tensor) -> Tensor:
+        """The target's own scores over the draft vocabulary from its final (normed) feature f [..., H]."""
+        return self.logits(f)
 
     def logits(self, h: Tensor) -> Tensor:
         """[..., H] -> [..., V'] scores over the draft vocabulary (frozen LM-head rows)."""

@@ -1,4 +1,5 @@
-"""Training the hybrid drafter (Gumiho; Medusa with S = 0, EAGLE-style with M = 0).
+"""Training the hybrid drafter (Gumiho; Medusa with S = 0, EAGLE-style with M = 0) and the EAGLE-3
+drafter (``arch="eagle3"``: ``nn.eagle3``, S serial steps, no heads, the same loss).
 
 Data: the target's own greedy responses (``specdraft data build``) and its cached features
 (``specdraft data features``).  The response tokens are the labels: the target's feature at
@@ -34,7 +35,8 @@ from torch import Tensor
 from tqdm import tqdm
 
 from specdraft.errors import SpecdraftError
-from specdraft.nn.checkpoint import load_draft_model
+from specdraft.nn.checkpoint import MODELS, load_draft_model
+from specdraft.nn.eagle3 import Eagle3Config
 from specdraft.nn.hybrid import HybridConfig, HybridModel
 from specdraft.train.corpus import AnchorBatch, Corpus, load_corpora, make_batch, plan_epoch, split_and_vocabulary, take, token_at
 from specdraft.train.data import check_data_target, manifest_sha256
@@ -43,6 +45,7 @@ from specdraft.train.loop import adamw, optimizer_step, resume, save_fp16, save_
 
 @dataclass
 class HybridTrainConfig:
+    arch: str = "hybrid"  # "hybrid" (nn.hybrid) or "eagle3" (nn.eagle3: EAGLE-3's exact architecture; parallel 0)
     serial: int = 2  # S: serial draft positions
     parallel: int = 5  # M: parallel MLP heads
     serial_layers: int = 1  # decoder layers of the serial part
@@ -67,6 +70,10 @@ class HybridTrainConfig:
 
     def __post_init__(self) -> None:
         self.feature_layers = tuple(int(x) for x in self.feature_layers)
+        if self.arch not in MODELS or self.arch == "block":
+            raise SpecdraftError(f"arch must be 'hybrid' or 'eagle3' (got {self.arch!r})")
+        if self.arch == "eagle3" and (self.parallel or self.serial_layers != 1 or self.serial < 1):
+            raise SpecdraftError("an eagle3 drafter is serial steps of one layer: serial >= 1, parallel 0, serial_layers 1")
         if not 0.0 <= self.head_grad <= 1.0:
             raise SpecdraftError(f"head_grad must be in [0, 1] (got {self.head_grad})")
         if not 0.0 <= self.distill <= 1.0:
@@ -75,7 +82,10 @@ class HybridTrainConfig:
             raise SpecdraftError(f"serial_unroll ({self.serial_unroll}) needs a serial part and must be >= serial "
                                  f"({self.serial}); 0 unrolls exactly the serial steps")
 
-    def model_config(self, tcfg) -> HybridConfig:
+    def model_config(self, tcfg) -> HybridConfig | Eagle3Config:
+        if self.arch == "eagle3":
+            return Eagle3Config.for_target(tcfg, feature_layers=self.feature_layers, steps=self.serial,
+                                           draft_vocab=self.draft_vocab)
         return HybridConfig.for_target(tcfg, serial=self.serial, parallel=self.parallel,
                                        serial_layers=self.serial_layers, head_blocks=self.head_blocks,
                                        feature_layers=self.feature_layers, draft_vocab=self.draft_vocab)
@@ -184,7 +194,7 @@ def losses(model: HybridModel, batch: AnchorBatch, t2d: Tensor, cfg: HybridTrain
             # soft labels: the target's own distribution over the draft vocabulary at the position
             # that predicted the label (its final feature f_{i+d} through the same LM-head rows)
             with torch.no_grad():
-                teacher = torch.softmax(model.logits(final_at(batch, d)[ok]).float(), -1)
+                teacher = torch.softmax(model.teacher_logits(final_at(batch, d)[ok]).float(), -1)
             soft = -(teacher * torch.log_softmax(logits, -1)).sum()
             total = total + w * ((1 - cfg.distill) * ce + cfg.distill * soft) / n
         else:
@@ -212,7 +222,7 @@ def _init_checkpoint(target, cfg: HybridTrainConfig, mcfg: HybridConfig) -> tupl
     """The state (weights and ``vocab_ids``) and manifest of ``cfg.init``, loaded as the drafter
     loader does (target, kind and tensors checked), refused unless its configuration is exactly the
     one this run trains."""
-    ckpt = load_draft_model(target, cfg.init, "hybrid")
+    ckpt = load_draft_model(target, cfg.init, cfg.arch)
     model, manifest = ckpt.model, ckpt.manifest
     theirs, ours = asdict(model.cfg), asdict(mcfg)
     diff = sorted(k for k in ours if theirs.get(k) != ours[k])
@@ -298,7 +308,7 @@ def train_hybrid(target, data_dir, feat_dir, out: str | Path, cfg: HybridTrainCo
 
     torch.manual_seed(cfg.seed)
     tm = target.model
-    model = HybridModel(mcfg, tm.embed.weight.float(), tm.lm_head.weight.float(), vocab_ids.to(dev)).to(dev).train()
+    model = MODELS[cfg.arch][1](mcfg, tm.embed.weight.float(), tm.lm_head.weight.float(), vocab_ids.to(dev)).to(dev).train()
     if init_tensors is not None:
         model.load_state_dict({k: v.to(dev) for k, v in init_tensors.items()})
         log(f"starting from {cfg.init} ({len(init_manifest.get('history', []))} epochs trained)")
@@ -312,8 +322,8 @@ def train_hybrid(target, data_dir, feat_dir, out: str | Path, cfg: HybridTrainCo
     total_steps = sum(len(p) for p in plans)
     spath = state_path(out)
     fp_cfg = asdict(cfg)
-    for name in ("distill", "init"):  # absent at their defaults, so runs started before the options still resume
-        if not fp_cfg[name]:
+    for name in ("distill", "init", "arch"):  # absent at their defaults, so runs started before the options still resume
+        if not fp_cfg[name] or fp_cfg[name] == "hybrid":
             del fp_cfg[name]
     fp_data = manifest_sha256(data_manifest) if len(data_manifests) == 1 else [manifest_sha256(m) for m in data_manifests]
     fp = {"config": fp_cfg, "data": fp_data, "target": target.weight_hash}
@@ -367,7 +377,7 @@ def train_hybrid(target, data_dir, feat_dir, out: str | Path, cfg: HybridTrainCo
         save_state(spath, model, opt, {"fingerprint": fingerprint, "epoch": epoch + 1, "history": history})
 
     manifest = {
-        "kind": "hybrid",
+        "kind": cfg.arch,
         "target_name": target.name,
         "target_hash": target.weight_hash,
         "config": asdict(mcfg),

@@ -1,0 +1,148 @@
+"""The EAGLE-3 drafter: drafting equals the training maths (the training-time test), random and
+trained drafters are lossless, its checkpoints load by path, and bad configurations are refused.
+The network against EAGLE-3's equations: ``test_export_drafter`` (an independent reader of the export)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdraft.drafters import make_drafter
+from specdraft.drafters.base import NoDrafter
+from specdraft.drafters.hybrid import HybridDrafter, HybridOptions
+from specdraft.errors import SpecdraftError
+from specdraft.generate import GenerateConfig, generate
+from specdraft.model.llama import ForwardOutput
+from specdraft.nn.eagle3 import Eagle3Config, Eagle3Model, default_layers
+from specdraft.train import hybrid as H
+from specdraft.verify import Accepted
+
+PROMPTS = ["What is 17 * 23? Think step by step.", "Write a Python function that reverses a string.",
+           "Tell me about the United States of America."]  # the first training prompts (tests/conftest.py)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def random_eagle3(target, layers=(0, 1, 2), steps: int = 4, vocab: int = 0, seed: int = 0) -> Eagle3Model:
+    torch.manual_seed(seed)
+    cfg = Eagle3Config.for_target(target.config, feature_layers=layers, steps=steps, draft_vocab=vocab)
+    tm = target.model
+    ids = torch.randperm(target.config.vocab_size)[:vocab] if vocab else torch.arange(target.config.vocab_size)
+    m = Eagle3Model(cfg, tm.embed.weight, tm.lm_head.weight, ids)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.3)
+            else:
+                p.uniform_(0.5, 1.5)
+    return m.eval()
+
+
+def test_config_is_validated():
+    shape = dict(hidden_size=8, vocab_size=10, num_heads=2, num_kv_heads=1, head_dim=4, intermediate_size=16)
+    with pytest.raises(SpecdraftError, match="exactly 3 target layers"):
+        Eagle3Config(**shape, feature_layers=(1, 2))
+    with pytest.raises(SpecdraftError, match="exactly 3 target layers"):
+        Eagle3Config(**shape, feature_layers=(1, 2, -1))
+    with pytest.raises(SpecdraftError, match="steps >= 1"):
+        Eagle3Config(**shape, feature_layers=(1, 2, 3), steps=0)
+    assert default_layers(30) == (2, 15, 27)
+    with pytest.raises(SpecdraftError, match="parallel 0"):
+        H.HybridTrainConfig(arch="eagle3", serial=3, parallel=1)
+
+
+def test_drafting_steps_equal_the_training_maths(tiny_llama):
+    from specdraft.replay import sequence_hidden
+
+    _, target, _ = tiny_llama
+    model = random_eagle3(target, steps=4, vocab=48)
+    d = HybridDrafter(model, HybridOptions(topk=8, beams=8), name="eagle3")
+    seq = torch.randint(2, 96, (30,), generator=torch.Generator().manual_seed(3)).tolist()
+    hid = sequence_hidden(target, seq, d.hidden_layers)
+    p = 12
+
+    def check(n: int) -> None:
+        levels = d.levels(64)
+        assert len(levels) == 4
+        chain, node = [], 0
+        for lv in levels:
+            i = next(i for i, par in enumerate(lv.parents) if par == node)
+            chain.append((lv.tokens[i], lv.logps[i]))
+            node = i
+        toks = seq[: n + 1] + [t for t, _ in chain]
+        feats = torch.zeros(len(toks), 3 * target.config.hidden_size)
+        feats[:n] = torch.cat([hid[k][0, :n] for k in d.hidden_layers], -1)
+        batch = H.AnchorBatch(torch.tensor([toks]), torch.tensor([len(toks)]), torch.tensor([0]), feats[None], None,
+                              torch.tensor([[n - 1]]), torch.tensor([[True]]))
+        with torch.no_grad():
+            states = H.draft_states(model, batch)
+        assert len(states) == 4
+        for depth, (h, (tok, lp)) in enumerate(zip(states, chain), 1):
+            ref = torch.log_softmax(model.logits(h[0, 0]), -1)
+            j = int((model.vocab_ids == tok).nonzero())
+            assert abs(float(ref[j]) - lp) < 1e-4, depth
+            assert int(ref.argmax()) == j
+
+    d.reset(seq[:p], seq[p], ForwardOutput(None, {k: v[:, :p] for k, v in hid.items()}))
+    check(p)
+    path = [0, 3, 5]
+    fake = {k: torch.full((1, 7, v.shape[-1]), float("nan")) for k, v in hid.items()}
+    for k, v in hid.items():
+        fake[k][0, path] = v[0, p : p + 3]
+    d.commit(Accepted(path=path, tokens=seq[p + 1 : p + 3], bonus=seq[p + 3]), ForwardOutput(None, fake))
+    check(p + 3)
+
+
+def test_random_eagle3_is_lossless_on_real_prompts(tiny_chat_target):
+    t = tiny_chat_target
+    model = random_eagle3(t, steps=5, vocab=512)
+    for p in PROMPTS[:2]:
+        ids = t.encode_prompt(p)
+        ref = generate(t, ids, NoDrafter(), GenerateConfig(max_new_tokens=24)).token_ids
+        for budget in (1, 4, 9):
+            d = HybridDrafter(model, HybridOptions(topk=3, beams=2), name="eagle3")
+            d.default_budget = budget
+            assert generate(t, ids, d, GenerateConfig(max_new_tokens=24)).token_ids == ref, budget
+
+
+def train_tiny(target, root, out, epochs=8, **kw):
+    cfg = H.HybridTrainConfig(arch="eagle3", serial=4, parallel=0, feature_layers=(0, 1, 2), draft_vocab=256,
+                              epochs=epochs, anchors=0, batch_tokens=256, lr=3e-3, warmup_steps=2, holdout=0.2,
+                              distill=1.0, **kw)
+    return H.train_hybrid(target, root / "data", root / "feat", out, cfg, quiet=True, log=lambda *a: None)
+
+
+def test_trained_tiny_eagle3_is_lossless_and_accepts_drafts(tiny_chat_target, tiny_train_data, tmp_path):
+    t = tiny_chat_target
+    path = tmp_path / "e3.safetensors"
+    m = train_tiny(t, tiny_train_data, path)
+    assert m["kind"] == "eagle3" and m["drafter"] == "eagle3" and list(m["config"]["feature_layers"]) == [0, 1, 2]
+    assert m["history"][-1]["train_loss"] < m["history"][0]["train_loss"]
+    tpp = []
+    for p in PROMPTS:
+        ids = t.encode_prompt(f"{p} (variant 0)")
+        ref = generate(t, ids, NoDrafter(), GenerateConfig(max_new_tokens=32)).token_ids
+        for spec, budget in ((str(path), 1), (f"{path}@topk=1,beams=1", 4), (f"{path}@bf16=1", 8)):
+            d = make_drafter(spec, t, budget=budget)
+            assert isinstance(d, HybridDrafter) and d.name == "eagle3"
+            r = generate(t, ids, d, GenerateConfig(max_new_tokens=32))
+            assert r.token_ids == ref, (spec, budget)
+            tpp.append(r.stats.tokens_per_pass)
+    assert max(tpp) > 1.0  # drafts learned from the training responses get accepted
+    # the trained lm_head is saved and loaded (it moved away from the target's rows)
+    from specdraft.nn.checkpoint import load_checkpoint
+
+    tensors, _ = load_checkpoint(path)
+    start = t.model.lm_head.weight[tensors["vocab_ids"].long()]
+    assert "head_w" in tensors and not torch.allclose(tensors["head_w"].float(), start, atol=1e-3)
+    # a hybrid checkpoint is not an eagle3 one
+    with pytest.raises(SpecdraftError, match="not 'hybrid'"):
+        from specdraft.nn.checkpoint import load_draft_model
+
+        load_draft_model(t, path, "hybrid")

@@ -8,6 +8,7 @@ import argparse
 import ipaddress
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -465,6 +466,13 @@ def cmd_data(args) -> None:
 
 
 def cmd_train(args) -> None:
+    from specdraft.train.loop import join_ranks
+
+    if args.train_command in ("hybrid", "eagle3"):
+        join_ranks(args.device)  # under torchrun / accelerate launch: join the process group (train.loop)
+    elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise SpecdraftError(f"`train {args.train_command}` runs in one process; training across processes "
+                             "(torchrun) is supported by `train hybrid` and `train eagle3`")
     if args.train_command == "phrase":
         for name in ("vocab_size", "epochs", "batch_size"):
             if getattr(args, name) < 1:

@@ -142,6 +142,12 @@ class AnchorBatch:
     anchors: Tensor  # [B, A] anchor positions i (padded with 0)
     anchor_ok: Tensor  # [B, A] real anchors
 
+    def rows(self, sl: slice) -> "AnchorBatch":
+        """The sequences ``sl`` of this batch (the same padded width)."""
+        return AnchorBatch(*(None if x is None else x[sl] for x in (self.tokens, self.lengths, self.prompt_len,
+                                                                     self.feats, self.final, self.anchors,
+                                                                     self.anchor_ok)))
+
 
 def valid_anchors(length: int, prompt_len: int) -> range:
     """Anchors whose depth-1 label x_{i+2} is a response token."""

@@ -31,7 +31,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from specdraft.errors import SpecdraftError
@@ -40,7 +41,8 @@ from specdraft.nn.eagle3 import Eagle3Config
 from specdraft.nn.hybrid import HybridConfig, HybridModel
 from specdraft.train.corpus import AnchorBatch, Corpus, load_corpora, make_batch, plan_epoch, split_and_vocabulary, take, token_at
 from specdraft.train.data import check_data_target, manifest_sha256
-from specdraft.train.loop import adamw, optimizer_step, resume, save_fp16, save_state, set_lr, state_path
+from specdraft.train.loop import (adamw, all_sum, barrier, current_ranks, optimizer_step, resume, save_fp16, save_state,
+                                  set_lr, shard_rows, state_path)
 
 
 @dataclass
@@ -174,20 +176,42 @@ def draft_states(model: HybridModel, batch: AnchorBatch, unroll: int = 0, head_g
     return hs + extra
 
 
-def losses(model: HybridModel, batch: AnchorBatch, t2d: Tensor, cfg: HybridTrainConfig) -> tuple[Tensor, DepthStats]:
-    """Weighted loss of one batch and its per-depth statistics (see the module docstring)."""
+def loss_depths(mc, cfg: HybridTrainConfig) -> list[int]:
+    """The draft depth of every state ``draft_states`` returns: 1 .. S+M, then the unrolled serial
+    steps' own depths S+1 .. unroll."""
+    extra = max(0, cfg.serial_unroll - mc.serial) if mc.serial else 0
+    return list(range(1, mc.depth + 1)) + list(range(mc.serial + 1, mc.serial + 1 + extra))
+
+
+def labels(batch: AnchorBatch, t2d: Tensor, d: int) -> tuple[Tensor, Tensor]:
+    """Draft-vocabulary labels of depth d at every anchor [B, A] and which are real (a response token
+    inside the draft vocabulary)."""
+    lab, ok = token_at(batch, 1 + d)
+    lab = t2d[lab]
+    return lab, ok & (lab >= 0)
+
+
+def label_counts(mc, batch: AnchorBatch, t2d: Tensor, cfg: HybridTrainConfig) -> list[int]:
+    """Labelled anchors of every loss term of ``losses`` (what it divides by when alone)."""
+    return [int(labels(batch, t2d, d)[1].sum()) for d in loss_depths(mc, cfg)]
+
+
+def losses(model: HybridModel, batch: AnchorBatch, t2d: Tensor, cfg: HybridTrainConfig,
+           counts: list[float] | None = None) -> tuple[Tensor, DepthStats]:
+    """Weighted loss of one batch and its per-depth statistics (see the module docstring).  Each
+    term is divided by ``counts`` (default: this batch's own label counts; across processes the
+    global ones, ``train.loop``)."""
     mc = model.cfg
     stats = DepthStats.empty(mc.depth)
     total = torch.zeros((), device=batch.tokens.device)
-    for k, h in enumerate(draft_states(model, batch, cfg.serial_unroll, cfg.head_grad), 1):
-        d = k if k <= mc.depth else mc.serial + k - mc.depth  # the extra serial states' own depth
+    depths = loss_depths(mc, cfg)
+    for k, (h, d) in enumerate(zip(draft_states(model, batch, cfg.serial_unroll, cfg.head_grad), depths), 1):
         w = cfg.decay ** (d - 1)
-        lab, ok = token_at(batch, 1 + d)
-        lab = t2d[lab]
-        ok = ok & (lab >= 0)
+        lab, ok = labels(batch, t2d, d)
         n = int(ok.sum())
         if n == 0:
             continue
+        norm = counts[k - 1] if counts is not None else n
         logits = model.logits(h[ok]).float()  # [n, V'] only for labelled anchors
         ce = F.cross_entropy(logits, lab[ok], reduction="sum")
         if cfg.distill > 0 and batch.final is not None:
@@ -196,9 +220,9 @@ def losses(model: HybridModel, batch: AnchorBatch, t2d: Tensor, cfg: HybridTrain
             with torch.no_grad():
                 teacher = torch.softmax(model.teacher_logits(final_at(batch, d)[ok]).float(), -1)
             soft = -(teacher * torch.log_softmax(logits, -1)).sum()
-            total = total + w * ((1 - cfg.distill) * ce + cfg.distill * soft) / n
+            total = total + w * ((1 - cfg.distill) * ce + cfg.distill * soft) / norm
         else:
-            total = total + w * ce / n
+            total = total + w * ce / norm
         if k > mc.depth:
             continue  # an unrolled serial step past S: trains the serial part, not a drafter depth
         stats.n[d - 1] += n
@@ -206,8 +230,24 @@ def losses(model: HybridModel, batch: AnchorBatch, t2d: Tensor, cfg: HybridTrain
         stats.ce[d - 1] += float(ce.detach())
         if d <= mc.serial and cfg.feature_loss > 0 and batch.final is not None:
             # h^d should match the target's final feature f_{i+d} (which predicted the same token)
-            total = total + cfg.feature_loss * w * F.smooth_l1_loss(h[ok], final_at(batch, d)[ok])
+            reg = F.smooth_l1_loss(h[ok], final_at(batch, d)[ok], reduction="sum") / h.shape[-1]
+            total = total + cfg.feature_loss * w * reg / norm
     return total, stats
+
+
+class TrainStep(nn.Module):
+    """One batch's loss as a module's forward, the unit DistributedDataParallel wraps."""
+
+    def __init__(self, model: HybridModel, t2d: Tensor, cfg: HybridTrainConfig) -> None:
+        super().__init__()
+        self.model, self.cfg = model, cfg
+        self.register_buffer("t2d", t2d, persistent=False)
+
+    def forward(self, batch: AnchorBatch, counts: list[float] | None = None, scale: float = 1.0):
+        if batch.tokens.shape[0] == 0:  # a rank without sequences in this batch still joins the gradient average
+            return sum(p.sum() for p in self.model.parameters()) * 0.0, DepthStats.empty(self.model.cfg.depth)
+        loss, stats = losses(self.model, batch, self.t2d, self.cfg, counts)
+        return loss * scale, stats
 
 
 # ---------------------------------------------------------------------------- training
@@ -276,6 +316,9 @@ def train_hybrid(target, data_dir, feat_dir, out: str | Path, cfg: HybridTrainCo
     (trained on together; each folder keeps its own held-out split).  ``cfg.init``: start from a
     trained checkpoint of the same configuration (fine-tuning), keeping its draft vocabulary."""
     out = Path(out)
+    ranks = current_ranks()  # across processes (``train.loop``): rank 0 logs and writes
+    if not ranks.main:
+        quiet, log = True, (lambda *a, **k: None)
     dev = target.device
     tcfg = target.config
     mcfg = cfg.model_config(tcfg)
@@ -317,6 +360,10 @@ def train_hybrid(target, data_dir, feat_dir, out: str | Path, cfg: HybridTrainCo
         f"parameters ({model.n_params() / n_target:.1%} of the target); draft vocabulary {len(vocab_ids)} tokens "
         f"covering {covered:.2%} of training response tokens; {len(train_ids)} training / {len(val_ids)} held-out sequences")
     opt = adamw(model, cfg.lr, cfg.weight_decay)
+    step_fn = TrainStep(model, t2d, cfg)
+    runner = DistributedDataParallel(step_fn) if ranks.world > 1 else step_fn
+    if ranks.world > 1:
+        log(f"training on {ranks.world} processes: each takes its share of every batch's sequences")
     plans = [plan_epoch(corpus, train_ids, cfg.batch_tokens, torch.Generator().manual_seed(cfg.seed * 1000 + e))
              for e in range(cfg.epochs)]
     total_steps = sum(len(p) for p in plans)
@@ -355,8 +402,16 @@ def train_hybrid(target, data_dir, feat_dir, out: str | Path, cfg: HybridTrainCo
         for i, ids in enumerate(bar):
             batch = make_batch(corpus, ids, cfg.anchors, gen, dev)
             set_lr(opt, cfg.lr, step, total_steps, cfg.warmup_steps)
-            loss, st = losses(model, batch, t2d, cfg)
+            counts = None
+            if ranks.world > 1:  # every rank built the whole batch: it trains on its rows, normalised by the batch's counts
+                counts = label_counts(mcfg, batch, t2d, cfg)
+                batch = batch.rows(shard_rows(len(ids), ranks))
+            loss, st = runner(batch, counts, float(ranks.world))
             lv = optimizer_step(model, opt, loss, f"at epoch {epoch + 1}")
+            if ranks.world > 1:
+                lv = all_sum([lv], ranks)[0] / ranks.world
+                st = DepthStats(*[[int(x) if j < 2 else x for x in all_sum(v, ranks)] for j, v in
+                                  enumerate((st.n, st.correct, st.ce))])
             step += 1
             run_loss = 0.95 * run_loss + 0.05 * lv if i else lv
             seen.add(st)
@@ -374,7 +429,9 @@ def train_hybrid(target, data_dir, feat_dir, out: str | Path, cfg: HybridTrainCo
         log(f"epoch {epoch + 1}: train loss {run_loss:.3f}; held-out top-1 per depth "
             + " ".join(f"{x:.1%}" for x in ev["top1"]) + "; CE " + " ".join(f"{x:.2f}" for x in ev["ce"])
             + f" ({time.perf_counter() - t_epoch:.0f}s)")
-        save_state(spath, model, opt, {"fingerprint": fingerprint, "epoch": epoch + 1, "history": history})
+        if ranks.main:
+            save_state(spath, model, opt, {"fingerprint": fingerprint, "epoch": epoch + 1, "history": history})
+        barrier(ranks)
 
     manifest = {
         "kind": cfg.arch,
@@ -399,6 +456,8 @@ def train_hybrid(target, data_dir, feat_dir, out: str | Path, cfg: HybridTrainCo
         for key in ("data_more", "init"):  # a fine-tune of a fine-tune keeps the whole history
             if key in init_manifest:
                 manifest["init"][key] = init_manifest[key]
-    save_fp16(out, model.state_dict(), manifest)
-    log(f"wrote {out}")
+    if ranks.main:
+        save_fp16(out, model.state_dict(), manifest)
+        log(f"wrote {out}")
+    barrier(ranks)
     return manifest

@@ -1,5 +1,13 @@
 """The training loop's shared parts: AdamW parameter groups, the one learning-rate schedule,
-resumable state and the fp16 checkpoint.
+resumable state, the fp16 checkpoint, and training across processes.
+
+Across processes (``torchrun --nproc-per-node N`` or ``accelerate launch``, which set ``WORLD_SIZE``,
+``RANK`` and ``LOCAL_RANK``): every rank builds the same global batch from the same seeded generators
+and trains on its own share of the sequences (``shard_rows``); DistributedDataParallel averages the
+gradients (gloo on the CPU, nccl on GPUs).  A trainer divides its loss by the whole batch's label
+counts (every rank has the whole batch) and multiplies by the world size, so the averaged gradient is the one-process
+gradient of the whole batch: the same global batch and seed give the same weights up to float
+rounding.  Rank 0 logs, evaluates and writes the resume state and the checkpoint.
 
 Resumable state: weights, optimizer moments and a JSON ``meta`` in one safetensors file next to
 the checkpoint being trained (``OUT.resume.safetensors``), written atomically by the trainers;
@@ -11,11 +19,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import distributed as dist
 from torch import nn
 
 from specdraft.errors import SpecdraftError
@@ -110,3 +121,61 @@ def save_fp16(out: Path, state: dict[str, torch.Tensor], manifest: dict) -> None
     state is no longer needed."""
     save_checkpoint(out, {k: (v.to(torch.float16) if v.is_floating_point() else v) for k, v in state.items()}, manifest)
     state_path(out).unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------- across processes
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in a training run across processes (rank 0 of 1 when alone)."""
+
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def main(self) -> bool:
+        """Whether this process logs, evaluates and writes files."""
+        return self.rank == 0
+
+
+def join_ranks(device: str = "cpu") -> Ranks:
+    """Join the process group a launcher set up (``WORLD_SIZE`` > 1), once: nccl on GPUs (each rank on
+    ``cuda:LOCAL_RANK``), gloo on the CPU.  Alone: ``Ranks()``; nothing is initialised."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Ranks()
+    if not dist.is_initialized():
+        cuda = str(device).startswith("cuda")
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return current_ranks()
+
+
+def current_ranks() -> Ranks:
+    """The process group this process is in (``Ranks()`` if none)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return Ranks()
+    return Ranks(dist.get_rank(), dist.get_world_size())
+
+
+def shard_rows(n: int, ranks: Ranks) -> slice:
+    """The rows of an n-row global batch this rank trains on (contiguous, sizes differing by <= 1)."""
+    lo = n * ranks.rank // ranks.world
+    return slice(lo, n * (ranks.rank + 1) // ranks.world)
+
+
+def all_sum(values: list[float], ranks: Ranks, device="cpu") -> list[float]:
+    """Element-wise sums over ranks (the values themselves when alone)."""
+    if ranks.world == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def barrier(ranks: Ranks) -> None:
+    """Wait for every rank (e.g. until rank 0 has written a file)."""
+    if ranks.world > 1:
+        dist.barrier()

@@ -100,8 +100,7 @@ def eagle3_config(model: Eagle3Model, target_config, dtype: str) -> dict:
         "tie_word_embeddings": False,
         "torch_dtype": dtype,
         "eagle_aux_hidden_state_layer_ids": layers,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": layers, "use_aux_hidden_state": True,
-                         "use_input_layernorm_in_first_layer": True, "use_last_layernorm": True},
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": layers},
         "norm_before_residual": False,
     }
 

@@ -1,5 +1,5 @@
 """Sampling stays exact through real drafters on the real (quantized) default target: the joint
-distribution of the first three sampled tokens with ngram, a hybrid and a block drafter equals the
+distribution of the first three sampled tokens with ngram, a hybrid, eagle3 and a block drafter equals the
 target's own (chi-square against the exact probabilities, two sampling settings), the drafts being
 accepted along the way; and the same test rejects a verifier with a small bias (its power).
 
@@ -26,6 +26,7 @@ SETTINGS = [Sampling(temperature=1.0, top_k=2), Sampling(temperature=0.7, top_k=
 # chat prompts with several likely openings for the trained drafters
 PROMPTS = {"ngram": ("red apple, green pear, red apple, green pear, red apple, green pear, red", True),
            "gumiho": ("Give me a word that rhymes with cat.", False),
+           "eagle3": ("Give me a word that rhymes with cat.", False),
            "mfd": ("Name three fruits.", False)}
 
 

@@ -465,6 +465,14 @@ def cmd_data(args) -> None:
         print(f"features in {out}", file=sys.stderr)
 
 
+def _check_data_and_init(args) -> None:
+    """Clear errors, before the target loads, for a --data folder that is not a data build or a missing --init."""
+    for d in args.data:
+        read_manifest(Path(d))
+    if args.init and not Path(args.init).is_file():
+        raise SpecdraftError(f"--init {args.init}: no such checkpoint")
+
+
 def cmd_train(args) -> None:
     from specdraft.train.loop import join_ranks
 
@@ -505,10 +513,7 @@ def cmd_train(args) -> None:
                                 shards=args.shards, seed=args.seed)
         if args.serial + args.parallel < 1 or args.serial_layers < 1:
             raise SpecdraftError("a hybrid drafter needs --serial + --parallel >= 1 and --serial-layers >= 1")
-        for d in args.data:
-            read_manifest(Path(d))  # a clear error for a folder that is not a data build
-        if args.init and not Path(args.init).is_file():
-            raise SpecdraftError(f"--init {args.init}: no such checkpoint")
+        _check_data_and_init(args)
         target = _engine(args).target
         log = (lambda *a, **k: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
         train_hybrid(target, args.data, args.features, args.out, cfg, quiet=args.quiet, log=log)
@@ -521,10 +526,7 @@ def cmd_train(args) -> None:
                 raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 0")
         if not str(args.out).endswith(".safetensors"):
             raise SpecdraftError("--out must be a .safetensors file")
-        for d in args.data:
-            read_manifest(Path(d))  # a clear error for a folder that is not a data build
-        if args.init and not Path(args.init).is_file():
-            raise SpecdraftError(f"--init {args.init}: no such checkpoint")
+        _check_data_and_init(args)
         target = _engine(args).target
         layers = _layers(args.layers) if args.layers else default_layers(target.config.num_layers)
         cfg = HybridTrainConfig(arch="eagle3", serial=args.steps, parallel=0, feature_layers=layers,

@@ -12,10 +12,8 @@ from specdraft.drafters.base import NoDrafter
 from specdraft.drafters.hybrid import HybridDrafter, HybridOptions
 from specdraft.errors import SpecdraftError
 from specdraft.generate import GenerateConfig, generate
-from specdraft.model.llama import ForwardOutput
 from specdraft.nn.eagle3 import Eagle3Config, Eagle3Model, default_layers
 from specdraft.train import hybrid as H
-from specdraft.verify import Accepted
 
 PROMPTS = ["What is 17 * 23? Think step by step.", "Write a Python function that reverses a string.",
            "Tell me about the United States of America."]  # the first training prompts (tests/conftest.py)
@@ -58,45 +56,12 @@ def test_config_is_validated():
 
 
 def test_drafting_steps_equal_the_training_maths(tiny_llama):
-    from specdraft.replay import sequence_hidden
+    from tests.test_hybrid import check_drafting_equals_training
 
     _, target, _ = tiny_llama
     model = random_eagle3(target, steps=4, vocab=48)
-    d = HybridDrafter(model, HybridOptions(topk=8, beams=8), name="eagle3")
-    seq = torch.randint(2, 96, (30,), generator=torch.Generator().manual_seed(3)).tolist()
-    hid = sequence_hidden(target, seq, d.hidden_layers)
-    p = 12
-
-    def check(n: int) -> None:
-        levels = d.levels(64)
-        assert len(levels) == 4
-        chain, node = [], 0
-        for lv in levels:
-            i = next(i for i, par in enumerate(lv.parents) if par == node)
-            chain.append((lv.tokens[i], lv.logps[i]))
-            node = i
-        toks = seq[: n + 1] + [t for t, _ in chain]
-        feats = torch.zeros(len(toks), 3 * target.config.hidden_size)
-        feats[:n] = torch.cat([hid[k][0, :n] for k in d.hidden_layers], -1)
-        batch = H.AnchorBatch(torch.tensor([toks]), torch.tensor([len(toks)]), torch.tensor([0]), feats[None], None,
-                              torch.tensor([[n - 1]]), torch.tensor([[True]]))
-        with torch.no_grad():
-            states = H.draft_states(model, batch)
-        assert len(states) == 4
-        for depth, (h, (tok, lp)) in enumerate(zip(states, chain), 1):
-            ref = torch.log_softmax(model.logits(h[0, 0]), -1)
-            j = int((model.vocab_ids == tok).nonzero())
-            assert abs(float(ref[j]) - lp) < 1e-4, depth
-            assert int(ref.argmax()) == j
-
-    d.reset(seq[:p], seq[p], ForwardOutput(None, {k: v[:, :p] for k, v in hid.items()}))
-    check(p)
-    path = [0, 3, 5]
-    fake = {k: torch.full((1, 7, v.shape[-1]), float("nan")) for k, v in hid.items()}
-    for k, v in hid.items():
-        fake[k][0, path] = v[0, p : p + 3]
-    d.commit(Accepted(path=path, tokens=seq[p + 1 : p + 3], bonus=seq[p + 3]), ForwardOutput(None, fake))
-    check(p + 3)
+    check_drafting_equals_training(target, model, HybridDrafter(model, HybridOptions(topk=8, beams=8), name="eagle3"),
+                                   depth=4)
 
 
 def test_random_eagle3_is_lossless_on_real_prompts(tiny_chat_target):

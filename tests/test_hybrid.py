@@ -99,13 +99,11 @@ def _random_model(target, serial: int, parallel: int, seed: int = 0, vocab: int 
     return m.eval()
 
 
-@pytest.mark.parametrize("kind", sorted(CONFIGS))
-def test_drafting_steps_equal_the_training_maths(tiny_llama, kind):
+def check_drafting_equals_training(target, model, d: HybridDrafter, depth: int | None = None) -> None:
+    """The drafter's top-1 chain, after a prefill and after a commit of two drafted tokens, against
+    the teacher-forced training states (``train.hybrid.draft_states``) at the same anchor."""
     from specdraft.replay import sequence_hidden
 
-    _, target, _ = tiny_llama
-    model = _random_model(target, *CONFIGS[kind], vocab=48)
-    d = HybridDrafter(model, HybridOptions(topk=8, beams=8))
     seq = torch.randint(2, 96, (30,), generator=torch.Generator().manual_seed(3)).tolist()
     hid = sequence_hidden(target, seq, d.hidden_layers)
     p = 12
@@ -113,23 +111,27 @@ def test_drafting_steps_equal_the_training_maths(tiny_llama, kind):
     def check(n: int) -> None:
         """The drafter's top-1 chain at root x_n against teacher-forced training states at anchor n-1."""
         levels = d.levels(64)  # wide enough that no child of an expanded node is pruned
+        if depth is not None:
+            assert len(levels) == depth
         chain, node = [], 0
         for lv in levels:  # best child of the current node (levels are sorted best first)
             i = next(i for i, par in enumerate(lv.parents) if par == node)
             chain.append((lv.tokens[i], lv.logps[i]))
             node = i
         toks = seq[: n + 1] + [t for t, _ in chain]
-        feats = torch.zeros(len(toks), sum(h.shape[-1] for h in hid.values()))
+        feats = torch.zeros(len(toks), sum(hid[k].shape[-1] for k in d.hidden_layers))
         feats[:n] = torch.cat([hid[k][0, :n] for k in d.hidden_layers], -1)
         batch = H.AnchorBatch(torch.tensor([toks]), torch.tensor([len(toks)]), torch.tensor([0]), feats[None], None,
                         torch.tensor([[n - 1]]), torch.tensor([[True]]))
         with torch.no_grad():
             states = H.draft_states(model, batch)
-        for depth, (h, (tok, lp)) in enumerate(zip(states, chain), 1):
-            ref = torch.log_softmax(model.logits(h[0, 0]), -1)
-            j = int((model.vocab_ids == tok).nonzero())
-            assert abs(float(ref[j]) - lp) < 1e-4, (kind, depth)
-            assert int(ref.argmax()) == j  # the chain is the training states' top-1 too
+            if depth is not None:
+                assert len(states) == depth
+            for k, (h, (tok, lp)) in enumerate(zip(states, chain), 1):
+                ref = torch.log_softmax(model.logits(h[0, 0]), -1)
+                j = int((model.vocab_ids == tok).nonzero())
+                assert abs(float(ref[j]) - lp) < 1e-4, k
+                assert int(ref.argmax()) == j  # the chain is the training states' top-1 too
 
     prefill = ForwardOutput(None, {k: v[:, :p] for k, v in hid.items()})
     d.reset(seq[:p], seq[p], prefill)
@@ -141,6 +143,13 @@ def test_drafting_steps_equal_the_training_maths(tiny_llama, kind):
         fake[k][0, path] = v[0, p : p + 3]
     d.commit(Accepted(path=path, tokens=seq[p + 1 : p + 3], bonus=seq[p + 3]), ForwardOutput(None, fake))
     check(p + 3)
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_drafting_steps_equal_the_training_maths(tiny_llama, kind):
+    _, target, _ = tiny_llama
+    model = _random_model(target, *CONFIGS[kind], vocab=48)
+    check_drafting_equals_training(target, model, HybridDrafter(model, HybridOptions(topk=8, beams=8)))
 
 
 def test_each_feature_layer_is_normalised_before_fusing(tiny_llama):

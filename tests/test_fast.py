@@ -1,7 +1,7 @@
 """The fast precision mode (``model.fast``): the kernel equals a reference written from its stated
 arithmetic, bit for bit; a row's result does not depend on the rest of the pass; a tree node's
 logits equal one-token decoding of its path bit for bit (tiny models and the default target); the
-portable implementation gives the same bits as the VNNI one; bad precision names are refused."""
+portable implementation gives the same bits as the vector one (AVX-512 VNNI or AVX2); bad precision names are refused."""
 
 from __future__ import annotations
 
@@ -82,11 +82,12 @@ def test_a_row_does_not_depend_on_the_rest_of_the_pass():
     assert torch.equal(fw(x[3:20]), whole[3:20])
 
 
-needs_vnni = pytest.mark.skipif(not (quant.kernel_available() and torch.ops.specdraft_quant.fast_vnni()),
-                                reason="this CPU has no AVX-512 VNNI: the portable path is the only one, nothing to compare")
+needs_simd = pytest.mark.skipif(not (quant.kernel_available() and torch.ops.specdraft_quant.fast_simd()),
+                                reason="this CPU has neither AVX-512 VNNI nor AVX2: the portable path is the only one, "
+                                       "nothing to compare")
 
 
-@needs_vnni
+@needs_simd
 def test_portable_implementation_gives_the_same_bits():
     op = torch.ops.specdraft_quant
     for kind in ("Q4_1", "Q8_0"):
@@ -162,9 +163,9 @@ def test_tree_equals_sequential_bit_for_bit_on_the_default_target(default_target
     assert_tree_equals_sequential(default_target, prompt, sizes=(1, 2, 4, 7, 16, 33, 64), seed=1, nodes_checked=4)
 
 
-@needs_vnni
+@needs_simd
 def test_portable_mode_gives_the_same_logits_and_tokens(default_target):
-    """A CPU without VNNI runs the portable implementation: the same bits through the whole model
+    """A CPU without AVX2 runs the portable implementation: the same bits through the whole model
     (attention, norms, SiLU, head), so the same tokens."""
     t = default_target
     ids = t.encode_prompt("List three prime numbers.")

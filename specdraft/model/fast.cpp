@@ -7,8 +7,10 @@
 // pass and the thread split only decide *who* computes a result, never *how*.  So a tree node's
 // logits are bit-identical to a one-token pass over its path.
 //
-// Two implementations of the same arithmetic: AVX-512 VNNI (vpdpbusd) and a portable one (plain
-// loops) for CPUs without it; both give the same bits (tested).  No FMA contraction anywhere
+// Three implementations of the same arithmetic, picked at compile time (-march=native): AVX-512 VNNI
+// (vpdpbusd), AVX2 (vpmaddubsw + vpmaddwd: the same exact int32 block sums, and the same float
+// operations in 8-lane halves) and a portable one (plain loops); all give the same bits (tested: the
+// portable one runs beside the vector one on the same machine).  No FMA contraction anywhere
 // (-ffp-contract=off, and the vector code multiplies then adds), so the float operations are exactly
 // those a reference written with separate multiplies and adds performs (fast.reference_linear).
 // This file is compiled before model/quant.py's kernels, which use its rms_rows.
@@ -31,6 +33,11 @@
 #define FAST_VNNI 1
 #else
 #define FAST_VNNI 0
+#endif
+#if !FAST_VNNI && defined(__AVX2__) && defined(__F16C__)
+#define FAST_AVX2 1
+#else
+#define FAST_AVX2 0
 #endif
 
 namespace fastk {
@@ -119,6 +126,34 @@ static inline __m512 exp_v(__m512 x) {  // exp_s on 16 lanes
   p = _mm512_add_ps(p, _mm512_set1_ps(1.f));
   const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+#endif
+
+#if FAST_AVX2
+// The same 16-lane tree as reduce16, the 16 lanes held as two 8-lane halves (lo = lanes 0-7).
+static inline float reduce16h(__m256 lo, __m256 hi) {
+  const __m256 a = _mm256_add_ps(lo, hi);  // v[i] + v[i+8]
+  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
+}
+
+static inline __m256 exp_v8(__m256 x) {  // exp_s on 8 lanes
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_LO)), _mm256_set1_ps(EXP_HI));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(C1)));
+  r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(C2)));
+  const __m256 z = _mm256_mul_ps(r, r);
+  __m256 p = _mm256_set1_ps(P0);
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(P1));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(P2));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(P3));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(P4));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(P5));
+  p = _mm256_add_ps(_mm256_mul_ps(p, z), r);
+  p = _mm256_add_ps(p, _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 #endif
 
@@ -291,6 +326,98 @@ static void groups_vnni(const W& w, int64_t gs, int64_t ge, const QRows& x, int6
 }
 #endif
 
+#if FAST_AVX2
+// Half a group (8 weight rows, h = 0 or 1) x T activation rows from m0: y[(m0+t) * ldy + 16g + 8h + l]
+// for l < nv.  One 256-bit register holds 4 inputs of block b for the 8 rows (the same bytes as half
+// of a VNNI vector).  vpmaddubsw multiplies unsigned weight bytes by signed inputs and adds pairs into
+// int16 lanes, vpmaddwd adds those pairs into one int32 per row: each row's 4-input sum, exactly.
+//   Q4_1: codes 0..15, so a pair is at most 2*15*127 and the 8 vectors' pairs (32 inputs) at most
+//         30480: they add up in int16 before one vpmaddwd.
+//   Q8_0: the stored byte is code + 128; byte ^ 0x80 is the code as int8.  vpmaddubsw takes |code|
+//         (<= 128) against the input with the code's sign (vpsignb), so a pair is at most 2*128*127 =
+//         32512: no saturation; each vector goes to int32 on its own.
+// The int32 is sum_e code_e q_e, the same integer as vpdpbusd's (there: sum (code+128) q_e - 128 sum q_e),
+// and the float steps that follow are VNNI's, lane for lane.
+template <int KIND, int T>
+static inline void htile(const W& w, int64_t g, int64_t h, const QRows& x, int64_t m0, float* y, int64_t ldy,
+                         int64_t nv) {
+  const int64_t NB = w.NB;
+  __m256 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+  const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+  const uint8_t* qs = w.qs + g * NB * w.grp() + 32 * h;
+  for (int64_t b = 0; b < NB; ++b) {
+    __m256i wv[8];  // Q4_1: codes; Q8_0: |code|
+    __m256i ws[8];  // Q8_0: the code as int8 (for its sign)
+    if (KIND == 0) {
+      for (int k = 0; k < 4; ++k) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + b * 256 + 64 * k));
+        wv[2 * k] = _mm256_and_si256(v, nib);
+        wv[2 * k + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+      }
+    } else {
+      for (int j = 0; j < 8; ++j) {
+        ws[j] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(qs + b * 512 + 64 * j)), flip);
+        wv[j] = _mm256_abs_epi8(ws[j]);
+      }
+    }
+    const int64_t gb = (g * NB + b) * 16 + 8 * h;
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w.d + gb)));
+    __m256 mw;
+    if (KIND == 0) mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w.mn + gb)));
+    for (int t = 0; t < T; ++t) {
+      const int64_t xb = (m0 + t) * NB + b;
+      int32_t xq[8];  // the block's 32 int8 as 8 groups of 4
+      std::memcpy(xq, x.q.data() + xb * 32, 32);
+      __m256i s;
+      if (KIND == 0) {
+        __m256i p = _mm256_maddubs_epi16(wv[0], _mm256_set1_epi32(xq[0]));
+        for (int j = 1; j < 8; ++j) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(wv[j], _mm256_set1_epi32(xq[j])));
+        s = _mm256_madd_epi16(p, ones);
+      } else {
+        s = _mm256_setzero_si256();
+        for (int j = 0; j < 8; ++j) {
+          const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(xq[j]), ws[j]);
+          s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(wv[j], xs), ones));
+        }
+      }
+      acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, _mm256_set1_ps(x.dx[xb]))));
+      if (KIND == 0) acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(mw, _mm256_set1_ps(x.sx[xb])));
+    }
+  }
+  const int64_t keep = std::min<int64_t>(8, nv - 8 * h);
+  for (int t = 0; t < T; ++t) {
+    float* dst = y + (m0 + t) * ldy + 16 * g + 8 * h;
+    if (keep == 8) {
+      _mm256_storeu_ps(dst, acc[t]);
+    } else {
+      float tmp[8];
+      _mm256_storeu_ps(tmp, acc[t]);
+      std::memcpy(dst, tmp, keep * sizeof(float));
+    }
+  }
+}
+
+template <int KIND>
+static void groups_avx2(const W& w, int64_t gs, int64_t ge, const QRows& x, int64_t M, float* y, int64_t ldy) {
+  for (int64_t m0 = 0; m0 < M; m0 += 64) {  // 64 activation rows at a time stay in L1/L2 while the weights stream
+    const int64_t m1 = std::min(M, m0 + 64);
+    for (int64_t g = gs; g < ge; ++g) {
+      const int64_t nv = std::min<int64_t>(16, w.N - 16 * g);
+      for (int64_t h = 0; h < 2 && 8 * h < nv; ++h)
+        for (int64_t m = m0; m < m1; m += 4) {
+          switch (std::min<int64_t>(4, m1 - m)) {
+            case 4: htile<KIND, 4>(w, g, h, x, m, y, ldy, nv); break;
+            case 3: htile<KIND, 3>(w, g, h, x, m, y, ldy, nv); break;
+            case 2: htile<KIND, 2>(w, g, h, x, m, y, ldy, nv); break;
+            default: htile<KIND, 1>(w, g, h, x, m, y, ldy, nv); break;
+          }
+        }
+    }
+  }
+}
+#endif
+
 // y[M, N] (row stride ldy) = the quantized rows x against every weight row; groups of 16 weight rows
 // split over threads.
 static void linear_q(const QRows& x, int64_t M, const W& w, float* y, int64_t ldy) {
@@ -299,6 +426,12 @@ static void linear_q(const QRows& x, int64_t M, const W& w, float* y, int64_t ld
     if (!g_portable) {
       if (w.kind == 0) groups_vnni<0>(w, gs, ge, x, M, y, ldy);
       else groups_vnni<1>(w, gs, ge, x, M, y, ldy);
+      return;
+    }
+#elif FAST_AVX2
+    if (!g_portable) {
+      if (w.kind == 0) groups_avx2<0>(w, gs, ge, x, M, y, ldy);
+      else groups_avx2<1>(w, gs, ge, x, M, y, ldy);
       return;
     }
 #endif
@@ -424,6 +557,56 @@ static void attend(const float* q, int64_t q_stride, const float* kbase, const f
     }
     return;
   }
+#elif FAST_AVX2
+  if (!g_portable && G <= 8 && D <= 256) {  // the VNNI loop's arithmetic in 8-lane halves
+    const int64_t C = D / 16;
+    for (int64_t i = 0; i < n; ++i) {
+      const float* k = kbase + idx[i] * s_s;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q + g * q_stride;
+        __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+        for (int64_t c = 0; c < C; ++c) {
+          lo = _mm256_add_ps(lo, _mm256_mul_ps(_mm256_loadu_ps(qg + 16 * c), _mm256_loadu_ps(k + 16 * c)));
+          hi = _mm256_add_ps(hi, _mm256_mul_ps(_mm256_loadu_ps(qg + 16 * c + 8), _mm256_loadu_ps(k + 16 * c + 8)));
+        }
+        const float v = reduce16h(lo, hi) * scale;
+        sc[g * n + i] = v;
+        mx[g] = std::max(mx[g], v);
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float* e = sc + g * n;
+      const __m256 vmx = _mm256_set1_ps(mx[g]);
+      __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+      int64_t i = 0;
+      for (; i + 16 <= n; i += 16) {
+        const __m256 a = exp_v8(_mm256_sub_ps(_mm256_loadu_ps(e + i), vmx));
+        const __m256 b = exp_v8(_mm256_sub_ps(_mm256_loadu_ps(e + i + 8), vmx));
+        _mm256_storeu_ps(e + i, a);
+        _mm256_storeu_ps(e + i + 8, b);
+        lo = _mm256_add_ps(lo, a);
+        hi = _mm256_add_ps(hi, b);
+      }
+      float lanes[16];
+      _mm256_storeu_ps(lanes, lo);
+      _mm256_storeu_ps(lanes + 8, hi);
+      for (; i < n; ++i) {
+        e[i] = exp_s(e[i] - mx[g]);
+        lanes[i % 16] = lanes[i % 16] + e[i];
+      }
+      const __m256 vsum = _mm256_set1_ps(reduce16(lanes));
+      __m256 o[32];
+      const int64_t C8 = D / 8;
+      for (int64_t c = 0; c < C8; ++c) o[c] = _mm256_setzero_ps();
+      for (int64_t j = 0; j < n; ++j) {
+        const float* v = vbase + idx[j] * s_s;
+        const __m256 w = _mm256_set1_ps(e[j]);
+        for (int64_t c = 0; c < C8; ++c) o[c] = _mm256_add_ps(o[c], _mm256_mul_ps(w, _mm256_loadu_ps(v + 8 * c)));
+      }
+      for (int64_t c = 0; c < C8; ++c) _mm256_storeu_ps(out + g * out_stride + 8 * c, _mm256_div_ps(o[c], vsum));
+    }
+    return;
+  }
 #endif
   for (int64_t i = 0; i < n; ++i)
     for (int64_t g = 0; g < G; ++g) {
@@ -463,6 +646,14 @@ static void silu_rows(const float* gu, int64_t M, int64_t inter, float* out) {
         const __m512 e = exp_v(_mm512_sub_ps(_mm512_setzero_ps(), gv));
         _mm512_storeu_ps(o + j, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)),
                                               _mm512_loadu_ps(g + inter + j)));
+      }
+#elif FAST_AVX2
+    if (!g_portable)
+      for (; j + 8 <= inter; j += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + j);
+        const __m256 e = exp_v8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+        _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f), e)),
+                                              _mm256_loadu_ps(g + inter + j)));
       }
 #endif
     for (; j < inter; ++j) o[j] = silu_mul(g[j], g[inter + j]);
@@ -636,6 +827,7 @@ at::Tensor block(const at::Tensor& x_in, const at::Tensor& qkv_qs, const at::Ten
 
 void set_portable(bool on) { g_portable = on; }
 bool vnni() { return FAST_VNNI != 0; }
+int64_t simd() { return FAST_VNNI ? 2 : FAST_AVX2 ? 1 : 0; }  // the vector implementation compiled in
 
 }  // namespace fastk
 
@@ -651,4 +843,5 @@ TORCH_LIBRARY_FRAGMENT(specdraft_quant, lib) {
           &fastk::block);
   lib.def("fast_set_portable(bool on) -> ()", &fastk::set_portable);
   lib.def("fast_vnni() -> bool", &fastk::vnni);
+  lib.def("fast_simd() -> int", &fastk::simd);
 }

@@ -17,7 +17,8 @@ path, and speculative greedy equals plain greedy in this mode with no exception 
 
 What it does not promise: equality with HF's fp32 model.  Rounding the activations to 8 bits moves
 the logits (as llama.cpp's do), so greedy output can differ from the exact mode's where two tokens
-are close.  CPUs without VNNI run a portable version of the same arithmetic (same bits, slower).
+are close.  CPUs without VNNI run an AVX2 version (``vpmaddubsw`` + ``vpmaddwd``: the same int32 block sums
+and float steps), and CPUs without AVX2 a portable one: the same bits, slower.
 """
 
 from __future__ import annotations

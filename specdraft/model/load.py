@@ -251,8 +251,8 @@ def build_model(w: LoadedWeights, device: str = "cpu", dtype: torch.dtype = torc
             if precision == "fast":
                 warnings.warn(f"specdraft: the fast precision mode is unavailable for {w.name}: {why}; "
                               "using the exact mode", stacklevel=2)
-        elif not torch.ops.specdraft_quant.fast_vnni():
-            warnings.warn("specdraft: this CPU has no AVX-512 VNNI; the fast mode runs its portable "
+        elif not torch.ops.specdraft_quant.fast_simd():
+            warnings.warn("specdraft: this CPU has neither AVX-512 VNNI nor AVX2; the fast mode runs its portable "
                           "implementation (the same tokens, slower)", stacklevel=2)
     return model
 

@@ -13,8 +13,9 @@ dot products differs (as between any two fp32 matmul kernels): greedy output mat
 Activations stay fp32 (unlike llama.cpp, which rounds them to 8 bits and so changes the output).
 The kernel is C++ compiled once per machine with the system compiler through
 ``torch.utils.cpp_extension`` (cached; about a minute on 2 cores) and runs on torch's own thread
-pool.  Anything unusual (no compiler, not x86 AVX-512, another dtype or device) falls back to the
-fp32 path with one warning; ``SPECDRAFT_QUANT=0`` turns it off.
+pool, with an AVX-512 and an AVX2 version (other CPUs run plain loops).  Anything unusual (no
+compiler, another dtype or device) falls back to the fp32 path with one warning;
+``SPECDRAFT_QUANT=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -124,6 +125,73 @@ static void rows(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t s, int
       case 3: rows_t<KIND, 4, 3>(w, row_bytes, nb, s, e, xi, K, yi, N); break;
       case 2: rows_t<KIND, 4, 2>(w, row_bytes, nb, s, e, xi, K, yi, N); break;
       default: rows_t<KIND, 4, 1>(w, row_bytes, nb, s, e, xi, K, yi, N); break;
+    }
+  }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2 (e.g. Zen 3): the same weights rebuilt exactly, a block as 4 quarters of 8 floats.
+// Quarter p of block b: Q4_1 low nibbles 0-7, 8-15, then high nibbles 0-7, 8-15; Q8_0 codes 8p .. 8p+7.
+template <int KIND>
+static inline __m256 quarter(const uint8_t* b, int p) {
+  if (KIND == 0) {
+    const __m256 vd = _mm256_set1_ps(half_to_float(b)), vm = _mm256_set1_ps(half_to_float(b + 2));
+    __m128i v = _mm_loadl_epi64((const __m128i*)(b + 4 + 8 * (p & 1)));
+    v = p < 2 ? _mm_and_si128(v, _mm_set1_epi8(0x0F)) : _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F));
+    return _mm256_add_ps(_mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v))), vm);
+  } else {
+    const __m256 vd = _mm256_set1_ps(half_to_float(b));
+    const __m128i v = _mm_loadl_epi64((const __m128i*)(b + 2 + 8 * p));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), vd);
+  }
+}
+
+static inline float hsum8(__m256 v) {
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ss(a, _mm_shuffle_ps(a, a, 1)));
+}
+
+// R weight rows x T rows of x: R*T accumulators, R rebuilt quarters and one x quarter in 16 registers.
+template <int KIND, int R, int T>
+static inline void tile(const uint8_t* w, int64_t row_bytes, int64_t nb, const float* x, int64_t K, float* y,
+                        int64_t N) {
+  constexpr int BB = KIND == 0 ? 20 : 34;
+  __m256 acc[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b)
+    for (int p = 0; p < 4; ++p) {
+      __m256 wq[R];
+      for (int r = 0; r < R; ++r) wq[r] = quarter<KIND>(w + r * row_bytes + b * BB, p);
+      for (int t = 0; t < T; ++t) {
+        const __m256 xq = _mm256_loadu_ps(x + t * K + b * 32 + 8 * p);
+        for (int r = 0; r < R; ++r) acc[r][t] = _mm256_fmadd_ps(wq[r], xq, acc[r][t]);
+      }
+    }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) y[t * N + r] = hsum8(acc[r][t]);
+}
+
+template <int KIND, int R, int T>
+static inline void rows_t(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t s, int64_t e, const float* x,
+                          int64_t K, float* y, int64_t N) {
+  int64_t n = s;
+  for (; n + R <= e; n += R) tile<KIND, R, T>(w + n * row_bytes, row_bytes, nb, x, K, y + n, N);
+  for (; n < e; ++n) tile<KIND, 1, T>(w + n * row_bytes, row_bytes, nb, x, K, y + n, N);
+}
+
+// All M rows of x in tiles of <= 4: 6 weight rows for one x-row, 4 for two, 3 for three or four.
+template <int KIND>
+static void rows(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t s, int64_t e, const float* x, int64_t M,
+                 int64_t K, float* y, int64_t N) {
+  for (int64_t i = 0; i < M; i += 4) {
+    const float* xi = x + i * K;
+    float* yi = y + i * N;
+    switch (std::min<int64_t>(4, M - i)) {
+      case 4: rows_t<KIND, 3, 4>(w, row_bytes, nb, s, e, xi, K, yi, N); break;
+      case 3: rows_t<KIND, 3, 3>(w, row_bytes, nb, s, e, xi, K, yi, N); break;
+      case 2: rows_t<KIND, 4, 2>(w, row_bytes, nb, s, e, xi, K, yi, N); break;
+      default: rows_t<KIND, 6, 1>(w, row_bytes, nb, s, e, xi, K, yi, N); break;
     }
   }
 }

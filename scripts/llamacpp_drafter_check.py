@@ -4,16 +4,18 @@ prompts.  Not part of CI (it needs llama.cpp built from the llama-cpp-python sou
 ``bash scripts/build_llamacpp.sh``, and ``pip install sentencepiece`` for the converter).
 
     .venv/bin/python scripts/llamacpp_drafter_check.py --drafter eagle3 --prompts 20 --json-out out.json
+    .venv/bin/python scripts/llamacpp_drafter_check.py --format dflash --drafter CKPT --n-max 7 --json-out out.json
 
 Steps (the work folder keeps the exports between runs; ``--fresh`` redoes them):
-1. ``specdraft export-target`` and ``specdraft export DRAFTER --format eagle3``;
+1. ``specdraft export-target`` and ``specdraft export DRAFTER --format eagle3|dflash``;
 2. ``convert_hf_to_gguf.py DRAFT --target-model-dir TARGET --outtype f32``, run from the llama.cpp
    source tree (not copied into the project);
-3. ``llama-server -m <default GGUF> -md <drafter GGUF> --spec-type draft-eagle3
+3. ``llama-server -m <default GGUF> -md <drafter GGUF> --spec-type draft-eagle3|draft-dflash
    --spec-draft-n-max N --spec-draft-p-min 0``, greedy on the prompts (chat template applied), and the
    same server without a drafter;
-4. specdraft on the same prompt ids: plain decoding, the drafter as a chain of N (``topk=1,beams=1``,
-   budget N: what llama.cpp drafts) and in tree mode (its default budget).
+4. specdraft on the same prompt ids: plain decoding, the drafter as a chain of N (what llama.cpp
+   drafts: eagle3 ``topk=1,beams=1``, dflash ``tree=linear``, budget N) and in tree mode (its
+   default budget).
 
 Reported: llama.cpp's acceptance (``draft_n_accepted / draft_n``) and tok/s, specdraft's chain-mode
 acceptance (accepted drafted tokens / drafted tokens), tokens per pass and tok/s, and how many
@@ -41,6 +43,7 @@ from specdraft.model.load import default_gguf_path
 from specdraft.target import Target
 
 DATASETS = ("gsm", "mtbench", "humaneval")
+CHAIN = {"eagle3": "topk=1,beams=1", "dflash": "tree=linear"}  # specdraft drafting what llama.cpp drafts
 
 
 def prompts_of(n: int) -> list[str]:
@@ -101,7 +104,8 @@ def agree(a: list[list[int]], b: list[list[int]]) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--drafter", default="eagle3", help="a shipped eagle3 drafter's name or checkpoint path")
+    ap.add_argument("--drafter", default="eagle3", help="a shipped drafter's name or a checkpoint path")
+    ap.add_argument("--format", default="eagle3", choices=("eagle3", "dflash"), help="the export format")
     ap.add_argument("--llamacpp", default=str(Path.home() / ".cache" / "specdraft" / "llamacpp"),
                     help="the folder scripts/build_llamacpp.sh built (src/ and build/bin/)")
     ap.add_argument("--work", default=str(Path.home() / ".cache" / "specdraft" / "e2e"), help="exports and GGUFs")
@@ -117,31 +121,32 @@ def main() -> int:
     binaries = find_binaries(root / "build" / "bin")
     work.mkdir(parents=True, exist_ok=True)
     target = Target.load("default", precision=args.precision)
-    target_hf, draft_hf, draft_gguf = work / "target_hf", work / f"{Path(args.drafter).stem}_eagle3", work / "drafter.gguf"
+    fmt = args.format
+    target_hf, draft_hf, draft_gguf = work / "target_hf", work / f"{Path(args.drafter).stem}_{fmt}", work / f"drafter_{fmt}.gguf"
     t0 = time.perf_counter()
     if args.fresh or not (target_hf / "config.json").is_file():
         export_target("default", target_hf, force=True)
-    export_drafter(target, args.drafter, "eagle3", draft_hf, force=True)
+    export_drafter(target, args.drafter, fmt, draft_hf, force=True)
     convert(root / "src", draft_hf, target_hf, draft_gguf)
     print(f"exported and converted in {time.perf_counter() - t0:.0f} s: {draft_gguf}", file=sys.stderr)
 
     texts = prompts_of(args.prompts)
     ids_list = [target.encode_prompt(t) for t in texts]
     gguf = default_gguf_path()
-    spec = ["-md", str(draft_gguf), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(args.n_max),
+    spec = ["-md", str(draft_gguf), "--spec-type", f"draft-{fmt}", "--spec-draft-n-max", str(args.n_max),
             "--spec-draft-n-min", "0", "--spec-draft-p-min", "0", "--threads-draft", str(args.threads)]
     rows = {
         "llama.cpp plain": llama_rows(binaries, gguf, [], ids_list, args.max_tokens, args.threads),
-        "llama.cpp eagle3": llama_rows(binaries, gguf, spec, ids_list, args.max_tokens, args.threads),
+        f"llama.cpp {fmt}": llama_rows(binaries, gguf, spec, ids_list, args.max_tokens, args.threads),
         "specdraft plain": ours(target, None, None, ids_list, args.max_tokens),
-        "specdraft eagle3 chain": ours(target, f"{args.drafter}@topk=1,beams=1", args.n_max, ids_list, args.max_tokens),
-        "specdraft eagle3 tree": ours(target, args.drafter, None, ids_list, args.max_tokens),
+        f"specdraft {fmt} chain": ours(target, f"{args.drafter}@{CHAIN[fmt]}", args.n_max, ids_list, args.max_tokens),
+        f"specdraft {fmt} tree": ours(target, args.drafter, None, ids_list, args.max_tokens),
     }
     ref = rows["specdraft plain"]["outputs"]
     for name, r in rows.items():
         r["outputs_equal_specdraft_plain"] = agree(r.pop("outputs"), ref)
-    la, sa = rows["llama.cpp eagle3"]["acceptance"], rows["specdraft eagle3 chain"]["acceptance"]
-    summary = {"drafter": args.drafter, "prompts": len(texts), "max_tokens": args.max_tokens, "n_max": args.n_max,
+    la, sa = rows[f"llama.cpp {fmt}"]["acceptance"], rows[f"specdraft {fmt} chain"]["acceptance"]
+    summary = {"drafter": args.drafter, "format": fmt, "prompts": len(texts), "max_tokens": args.max_tokens, "n_max": args.n_max,
                "threads": args.threads, "precision": target.precision, "rows": rows,
                "acceptance_relative_difference": abs(la - sa) / sa if la is not None and sa else None}
     for name, r in rows.items():

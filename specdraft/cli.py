@@ -236,6 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
     tb.add_argument("--gamma", type=_finite, default=4.0, help="depth j weighs exp(-(j-1)/gamma) in the loss (default 4)")
     tb.add_argument("--no-gate", action="store_true",
                     help="K > 1: train no mode gate (the mixture tree then weighs the modes equally)")
+    tb.add_argument("--dflash", action="store_true",
+                    help="DFlash's exact shape (q/k norm, the target's embedding of --mask-token as the mask, one "
+                         "mode), so that `specdraft export --format dflash` can write it")
+    tb.add_argument("--mask-token", type=int, default=0,
+                    help="with --dflash: the target token whose embedding fills the mask rows (default 0)")
     _add_trainer_args(tb)
     _add_target_args(tb)
 
@@ -254,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--out", required=True, help="the folder to write (must not exist or be empty)")
     ex.add_argument("--force", action="store_true", help="replace --out if it exists")
 
-    ed = sub.add_parser("export", help="write a trained drafter in a serving engine's format (eagle3: vLLM, SGLang, "
+    ed = sub.add_parser("export", help="write a trained drafter in a serving engine's format (eagle3 or dflash: vLLM, SGLang, "
                         "llama.cpp) with config.json, model.safetensors and a README of serving commands")
     ed.add_argument("drafter", help="a shipped drafter's name (e.g. eagle3) or a checkpoint path")
     ed.add_argument("--format", required=True, choices=("eagle3", "dflash"), help="the drafter format to write")
@@ -552,11 +557,14 @@ def cmd_train(args) -> None:
             raise SpecdraftError("--block-size must be >= 2 and --gamma > 0")
         if not str(args.out).endswith(".safetensors"):
             raise SpecdraftError("--out must be a .safetensors file")
+        if args.dflash and args.modes != 1:
+            raise SpecdraftError(f"--dflash trains one mode (DFlash has no mode embeddings); got --modes {args.modes}")
         layers = _layers(args.layers)
         cfg = BlockTrainConfig(modes=args.modes, draft_layers=args.draft_layers, block_size=args.block_size,
                                feature_layers=layers, draft_vocab=args.draft_vocab, epochs=args.epochs, steps=args.steps,
                                anchors=args.anchors, batch_tokens=args.batch_tokens, lr=args.lr, gamma=args.gamma,
-                               shards=args.shards, seed=args.seed, gate=not args.no_gate)
+                               shards=args.shards, seed=args.seed, gate=not args.no_gate, qk_norm=args.dflash,
+                               mask_token=args.mask_token if args.dflash else -1)
         read_manifest(Path(args.data))  # a clear error for a folder that is not a data build
         target = _engine(args).target
         log = (lambda *a, **k: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))

@@ -30,11 +30,14 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+DFLASH = dict(qk_norm=True, mask_token=5)  # DFlash's shape: q/k norm, the target's embedding of token 5 as the mask
+
+
 def _random_model(target, modes: int, block: int = 5, layers: int = 2, vocab: int = 0, seed: int = 0,
-                  gate: bool = False) -> BlockModel:
+                  gate: bool = False, **shape) -> BlockModel:
     torch.manual_seed(seed)
     cfg = BlockConfig.for_target(target.config, layers=layers, block_size=block, feature_layers=(1, FINAL),
-                                 modes=modes, draft_vocab=vocab, gate=gate)
+                                 modes=modes, draft_vocab=vocab, gate=gate, **shape)
     tm = target.model
     ids = torch.randperm(target.config.vocab_size)[:vocab] if vocab else torch.arange(target.config.vocab_size)
     m = BlockModel(cfg, tm.embed.weight, tm.lm_head.weight, ids)
@@ -47,12 +50,12 @@ def _random_model(target, modes: int, block: int = 5, layers: int = 2, vocab: in
 # ---------------------------------------------------------------------------- training == drafting
 
 
-@pytest.mark.parametrize("modes", [1, 3])
-def test_block_mask_pass_equals_per_block_drafting(tiny_llama, modes):
+@pytest.mark.parametrize("modes,shape", [(1, {}), (3, {}), (1, DFLASH)])
+def test_block_mask_pass_equals_per_block_drafting(tiny_llama, modes, shape):
     from specdraft.replay import sequence_hidden
 
     _, target, _ = tiny_llama
-    model = _random_model(target, modes, vocab=0, gate=True)
+    model = _random_model(target, modes, vocab=0, gate=True, **shape)
     assert model.cfg.gate == (modes > 1)
     d = BlockDrafter(model)
     gen = torch.Generator().manual_seed(5)
@@ -86,6 +89,25 @@ def test_block_mask_pass_equals_per_block_drafting(tiny_llama, modes):
             assert torch.allclose(got, ref, atol=1e-5), (modes, b, a, float((got - ref).abs().max()))
             assert torch.allclose(gate[b, i], d.mode_prior(), atol=1e-5)  # the gate too
             assert abs(float(d.mode_prior().exp().sum()) - 1) < 1e-5
+
+
+def test_dflash_shape(tiny_llama):
+    """DFlash's shape: q/k norms in every layer, the mask rows are the target's frozen embedding of
+    the mask token (no learned mask or mode embeddings), one mode; anything else is refused."""
+    _, target, _ = tiny_llama
+    m = _random_model(target, 1, **DFLASH)
+    names = {n for n, _ in m.named_parameters()}
+    assert m.cfg.dflash and "mask_emb" not in names and "mode_emb" not in names
+    assert {"layers.0.q_norm.weight", "layers.0.k_norm.weight"} <= names
+    x = m.block_inputs(torch.tensor([7]))  # [1, 1, B, H]
+    assert torch.equal(x[0, 0, 0], m.embed[7]) and all(torch.equal(r, m.embed[5]) for r in x[0, 0, 1:])
+    plain = _random_model(target, 1)
+    assert not plain.cfg.dflash and not any("q_norm" in n for n, _ in plain.named_parameters())
+    assert not _random_model(target, 1, qk_norm=True).cfg.dflash  # a learned mask is not DFlash's
+    with pytest.raises(SpecdraftError, match="needs a single mode"):
+        _random_model(target, 2, **DFLASH)
+    with pytest.raises(SpecdraftError, match="must be a target token id"):
+        _random_model(target, 1, qk_norm=True, mask_token=target.config.vocab_size)
 
 
 def test_commit_extends_the_context_with_accepted_features(tiny_llama):
@@ -162,10 +184,10 @@ def test_prepacked_bf16_drafter_drafts_the_same(tiny_llama):
 # ---------------------------------------------------------------------------- lossless decoding
 
 
-@pytest.mark.parametrize("modes,gate", [(1, False), (3, False), (3, True)])
-def test_random_drafters_are_lossless_with_every_tree(tiny_chat_target, modes, gate):
+@pytest.mark.parametrize("modes,gate,shape", [(1, False, {}), (3, False, {}), (3, True, {}), (1, False, DFLASH)])
+def test_random_drafters_are_lossless_with_every_tree(tiny_chat_target, modes, gate, shape):
     t = tiny_chat_target
-    model = _random_model(t, modes, block=6, vocab=512, gate=gate)
+    model = _random_model(t, modes, block=6, vocab=512, gate=gate, **shape)
     for p in PROMPTS[:2]:
         ids = t.encode_prompt(p)
         ref = generate(t, ids, NoDrafter(), GenerateConfig(max_new_tokens=20)).token_ids
@@ -214,6 +236,32 @@ def test_trained_tiny_drafters_are_lossless_and_accept_drafts(tiny_chat_target, 
         assert max(tpp) > 1.0, modes  # drafts learned from the training responses get accepted
     d = make_drafter(str(trained[3][0]), t)
     assert d.tree == "mixture" and make_drafter(str(trained[1][0]), t).tree == "ddtree"
+
+
+def test_trained_tiny_dflash_drafter_is_lossless_and_accepts_drafts(tiny_chat_target, tiny_train_data, tmp_path):
+    """A drafter trained in DFlash's shape (``train block --dflash``) saves q/k norms and no mask or
+    mode embeddings, loads by checkpoint path in every precision and decodes losslessly."""
+    from safetensors import safe_open
+
+    t = tiny_chat_target
+    path = tmp_path / "dflash.safetensors"
+    m = _train(t, tiny_train_data, path, qk_norm=True, mask_token=0)
+    assert m["config"]["qk_norm"] and m["config"]["mask_token"] == 0
+    assert m["history"][-1]["train_loss"] < m["history"][0]["train_loss"]
+    with safe_open(str(path), "pt") as f:
+        keys = set(f.keys())
+    assert any(k.endswith("q_norm.weight") for k in keys) and not any("mask_emb" in k or "mode_emb" in k for k in keys)
+    tpp = []
+    for p in PROMPTS:
+        ids = t.encode_prompt(f"{p} (variant 0)")
+        ref = generate(t, ids, NoDrafter(), GenerateConfig(max_new_tokens=32)).token_ids
+        for spec, budget in ((f"{path}@tree=linear,bf16=0", 4), (f"{path}@bf16=1", 8), (f"{path}@int8=1", 8)):
+            d = make_drafter(spec, t, budget=budget)
+            assert isinstance(d, BlockDrafter) and d.model.cfg.dflash
+            r = generate(t, ids, d, GenerateConfig(max_new_tokens=32))
+            assert r.token_ids == ref, spec
+            tpp.append(r.stats.tokens_per_pass)
+    assert max(tpp) > 1.0
 
 
 # ---------------------------------------------------------------------------- checkpoints and training

@@ -18,6 +18,10 @@ a final RMSNorm and the frozen target LM head restricted to a draft vocabulary (
 responses' most frequent tokens; only their ids are stored).  All K blocks share the context and
 run in one pass (K*B query rows, a block-diagonal mask between the modes).
 
+DFlash's exact shape (``BlockConfig.dflash``, exportable with ``specdraft export --format dflash``):
+q/k RMSNorm per head before RoPE (on the context keys too), m = e(mask_token), the target's own
+embedding of a fixed token, and no u (K = 1).
+
 How the drafter runs it and the trees it builds: ``specdraft.drafters.block``; training:
 ``specdraft.train.block``.
 """
@@ -47,13 +51,25 @@ class BlockConfig(TargetShape):
     modes: int = 1  # K: mode embeddings, blocks drafted per pass (1 = single-mode DFlash)
     draft_vocab: int = 8192  # LM-head rows drafted from (the most frequent tokens; 0 = all)
     gate: bool = False  # K > 1: a mode gate pi_k(context) scored from each mode's root row
+    qk_norm: bool = False  # an RMSNorm over each query / key head before RoPE (Qwen3's layers, DFlash's)
+    mask_token: int = -1  # >= 0: the mask rows are the target's frozen embedding of this token and
+    #                       there is no mode embedding (DFlash); -1: a learned MASK plus mode embeddings
 
     def __post_init__(self) -> None:
         self.feature_layers = tuple(int(x) for x in self.feature_layers)
         self.gate = bool(self.gate) and self.modes > 1
+        self.qk_norm, self.mask_token = bool(self.qk_norm), int(self.mask_token)
         if self.layers < 1 or self.block_size < 2 or self.modes < 1 or not self.feature_layers:
             raise SpecdraftError(f"a block drafter needs >= 1 layer, block size >= 2, >= 1 mode and a feature "
                                  f"layer (got {self.layers}, {self.block_size}, {self.modes}, {self.feature_layers})")
+        if self.mask_token >= self.vocab_size or (self.mask_token >= 0 and self.modes != 1):
+            raise SpecdraftError(f"mask_token must be a target token id (< {self.vocab_size}) and needs a single "
+                                 f"mode (got mask_token={self.mask_token}, modes={self.modes})")
+
+    @property
+    def dflash(self) -> bool:
+        """In DFlash's exact shape (q/k norm, the target's mask token, one mode): exportable to it."""
+        return self.qk_norm and self.mask_token >= 0 and self.modes == 1
 
     @property
     def depth(self) -> int:
@@ -69,11 +85,12 @@ class BlockModel(DraftModel):
         h = cfg.hidden_size
         self.fuse = nn.Linear(len(cfg.feature_layers) * h, h, bias=False)
         self.ctx_norm = RMSNorm(h, cfg.rms_eps)
-        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.layers))
+        self.layers = nn.ModuleList(DraftLayer(cfg, qk_norm=cfg.qk_norm) for _ in range(cfg.layers))
         self.norm = RMSNorm(h, cfg.rms_eps)
-        std = float(embed.float().std())  # new embeddings on the scale of the target's
-        self.mask_emb = nn.Parameter(torch.randn(h) * std)
-        self.mode_emb = nn.Parameter(torch.randn(cfg.modes, h) * std)  # [K, H]
+        if cfg.mask_token < 0:
+            std = float(embed.float().std())  # new embeddings on the scale of the target's
+            self.mask_emb = nn.Parameter(torch.randn(h) * std)
+            self.mode_emb = nn.Parameter(torch.randn(cfg.modes, h) * std)  # [K, H]
         if cfg.gate:
             self.gate = nn.Linear(h, 1, bias=False)  # score of mode k = w . (final state of mode k's root row)
         self._kv: list | None = None  # per layer the K/V rows of wqkv as a PackedWeight or FastWeight (prepack)
@@ -102,14 +119,20 @@ class BlockModel(DraftModel):
             kv = c @ layer.wqkv.weight[q_rows:].T if self._kv is None else self._kv[i](c)
             kv = kv.unflatten(-1, (2 * cfg.num_kv_heads, cfg.head_dim))  # [B, T, 2 Hkv, D]
             k, v = kv[:, :, : cfg.num_kv_heads], kv[:, :, cfg.num_kv_heads :]
+            if layer.k_norm is not None:
+                k = layer.k_norm(k)
             out.append((apply_rope(k, rot).transpose(1, 2), v.transpose(1, 2)))
         return out
 
     def block_inputs(self, first: Tensor) -> Tensor:
-        """first [...] root tokens -> block inputs [..., K, B, H]: [e(root), m x (B-1)] + u_k."""
+        """first [...] root tokens -> block inputs [..., K, B, H]: [e(root), m x (B-1)] + u_k (DFlash:
+        m = e(mask_token), no u)."""
         cfg = self.cfg
         e = self.embed[first]  # [..., H]
-        rows = torch.cat([e[..., None, :], self.mask_emb.expand(*e.shape[:-1], cfg.block_size - 1, -1)], -2)  # [..., B, H]
+        m = self.mask_emb if cfg.mask_token < 0 else self.embed[cfg.mask_token].to(e.dtype)
+        rows = torch.cat([e[..., None, :], m.expand(*e.shape[:-1], cfg.block_size - 1, -1)], -2)  # [..., B, H]
+        if cfg.mask_token >= 0:
+            return rows[..., None, :, :]  # [..., 1, B, H]
         return rows[..., None, :, :] + self.mode_emb[:, None, :]  # [..., K, B, H]
 
     def run_blocks(self, x: Tensor, positions: Tensor, mask: Tensor | None, ctx: list[tuple[Tensor, Tensor]]) -> Tensor:

@@ -50,14 +50,17 @@ class TargetShape:
 class DraftLayer(nn.Module):
     """One decoder layer (pre-norm attention + SwiGLU), returning its new keys/values so the
     caller decides where they live: a cache at inference, plain tensors in training.  ``d_in``: the
-    width its attention reads (H; EAGLE-3's layer reads 2H, ``nn.eagle3``)."""
+    width its attention reads (H; EAGLE-3's layer reads 2H, ``nn.eagle3``).  ``qk_norm``: an RMSNorm
+    over each query and key head before RoPE (Qwen3's layers, and so DFlash's)."""
 
-    def __init__(self, cfg: TargetShape, d_in: int | None = None) -> None:
+    def __init__(self, cfg: TargetShape, d_in: int | None = None, qk_norm: bool = False) -> None:
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.hq, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, d
         self.attn_norm = RMSNorm(h, cfg.rms_eps)
         self.wqkv = nn.Linear(d_in or h, (self.hq + 2 * self.hkv) * d, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_eps) if qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_eps) if qk_norm else None
         self.wo = nn.Linear(self.hq * d, h, bias=False)
         self.mlp_norm = RMSNorm(h, cfg.rms_eps)
         self.w_gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
@@ -70,7 +73,10 @@ class DraftLayer(nn.Module):
         # Returns (attention output after wo [B, T, H], k, v [B, Hkv, T, D]).
         b, t, _ = x.shape
         qkv = self.wqkv(x).unflatten(-1, (self.hq + 2 * self.hkv, self.d))  # [B, T, heads, D]
-        qk = apply_rope(qkv[:, :, : self.hq + self.hkv], rot).transpose(1, 2)  # [B, Hq + Hkv, T, D]
+        qk = qkv[:, :, : self.hq + self.hkv]
+        if self.q_norm is not None:
+            qk = torch.cat([self.q_norm(qk[:, :, : self.hq]), self.k_norm(qk[:, :, self.hq :])], 2)
+        qk = apply_rope(qk, rot).transpose(1, 2)  # [B, Hq + Hkv, T, D]
         q, k = qk[:, : self.hq], qk[:, self.hq :]
         v = qkv[:, :, self.hq + self.hkv :].transpose(1, 2)  # [B, Hkv, T, D]
         keys = k if past_k is None else torch.cat([past_k, k], 2)

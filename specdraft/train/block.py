@@ -61,6 +61,8 @@ class BlockTrainConfig:
     wta_mean: float = 0.1  # lambda: share of the loss given to every mode's mean (K > 1)
     balance: float = 0.1  # beta: win-share penalty when assigning the winning mode (K > 1)
     gate: bool = True  # K > 1: train a mode gate pi_k (cross-entropy on the winning mode)
+    qk_norm: bool = False  # q/k RMSNorm per head (DFlash's layers)
+    mask_token: int = -1  # >= 0: mask rows = the target's embedding of this token, no mode embedding (DFlash)
     gate_weight: float = 0.1  # weight of the gate's cross-entropy in the loss
     holdout: float = 0.05  # share of sequences held out for validation
     shards: int = 0  # use the first N data shards only (0 = all)
@@ -74,7 +76,8 @@ class BlockTrainConfig:
     def model_config(self, tcfg) -> BlockConfig:
         return BlockConfig.for_target(tcfg, layers=self.draft_layers, block_size=self.block_size,
                                       feature_layers=self.feature_layers, modes=self.modes,
-                                      draft_vocab=self.draft_vocab, gate=self.gate)
+                                      draft_vocab=self.draft_vocab, gate=self.gate, qk_norm=self.qk_norm,
+                                      mask_token=self.mask_token)
 
 
 # ---------------------------------------------------------------------------- forward and loss

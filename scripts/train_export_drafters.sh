@@ -10,6 +10,8 @@
 # missing shard, the feature cache skips written shards, the trainers resume from OUT.resume.safetensors,
 # and a step whose output is complete is skipped.  Re-run the same command after an interruption.
 # Hours on 2 CPU cores (the full build alone is about an hour); run nothing else heavy beside it.
+# DFLASH_STEPS (default 1800, the shipped block's recipe) and EAGLE3_EPOCHS (default 4) shorten the
+# two trainings; the shipped dflash and eagle3 weights were made with DFLASH_STEPS=900 EAGLE3_EPOCHS=2.
 #
 # Then: scripts/llamacpp_drafter_check.py --format dflash --drafter WORK_DIR/dflash.safetensors and
 # --drafter WORK_DIR/eagle3.safetensors (see docs/export.md).
@@ -40,6 +42,6 @@ train() {
     touch "$W/$name.profiled"
   fi
 }
-train dflash block --dflash --draft-vocab 0 --layers 2,15,27 --steps 1800  # the shipped block recipe
-train eagle3 eagle3
+train dflash block --dflash --draft-vocab 0 --layers 2,15,27 --steps "${DFLASH_STEPS:-1800}"
+train eagle3 eagle3 --epochs "${EAGLE3_EPOCHS:-4}"
 step "done: $W/dflash.safetensors $W/eagle3.safetensors"

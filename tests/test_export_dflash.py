@@ -150,3 +150,16 @@ def test_what_dflash_cannot_hold_is_refused(tiny_chat_target, tiny_train_data, t
     with pytest.raises(SpecdraftError, match="EAGLE-3 format cannot hold"):
         export_drafter(t, str(tiny_dflash), "eagle3", tmp_path / "e")
     assert not any((tmp_path / n).exists() for n in ("p", "s", "e"))
+
+
+@pytest.mark.slow
+def test_shipped_dflash_exports(default_target, tmp_path):
+    """The shipped ``dflash`` drafter, by name: DFlash's config for the default target (feature layers
+    2, 15, 27 are HF's target layer ids 1, 14, 26) and every drafter tensor, without embedding or LM head."""
+    out = export_drafter(default_target, "dflash", "dflash", tmp_path / "df")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"]
+    assert cfg["dflash_config"] == {"mask_token_id": 0, "target_layer_ids": [1, 14, 26], "block_size": 8}
+    names = set(load_file(str(out / "model.safetensors")))
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_norm.weight"} <= names
+    assert not any(n.startswith(("embed_tokens", "lm_head")) for n in names)

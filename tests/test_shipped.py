@@ -20,7 +20,8 @@ NEW_TOKENS = 32
 MARGIN = 0.05  # tokens per pass: about two accepted tokens out of the ~90 passes pooled
 DATASETS = ("gsm", "mtbench", "humaneval")
 # pooled tokens per pass over the three prompts at budgets (1, default, 32), measured on the 2-core
-# CPU with no cost curve stored (default budgets: ngram 2, phrase 6, hybrids 3, block / mfd 4), 2026-12-02
+# CPU with no cost curve stored (default budgets: ngram 2, phrase 6, hybrids 3, block / mfd / dflash 4),
+# 2026-12-02 (eagle3 and dflash: their full-data weights, 2026-12-03)
 MEASURED = {
     "ngram": (1.163, 1.224, 1.368),
     "phrase": (1.329, 1.898, 2.067),
@@ -28,11 +29,12 @@ MEASURED = {
     "gumiho": (1.310, 1.632, 2.022),
     "medusa": (1.310, 1.550, 1.824),
     "eagle": (1.348, 1.661, 2.214),
-    "eagle3": (1.094, 1.134, 1.240),
+    "eagle3": (1.329, 1.500, 1.898),
     "gumiho@ngram=2": (1.329, 1.661, 2.114),
     "block": (1.274, 1.453, 1.755),
     "mfd": (1.310, 1.476, 1.755),
     "mfd@ngram=2": (1.368, 1.661, 2.022),
+    "dflash": (1.240, 1.388, 1.632),
 }
 
 pytestmark = pytest.mark.slow

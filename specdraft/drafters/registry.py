@@ -58,12 +58,12 @@ def _hybrid(name: str, summary: str, args: str) -> DrafterSpec:
                        scale_with_curve=True)
 
 
-def _block(name: str, summary: str, modes: int) -> DrafterSpec:
+def _block(name: str, summary: str, args: str, data: str = DATA_HINT) -> DrafterSpec:
     # without a measured cost curve: 4 nodes on a CPU (a pass grows with its tokens there; the best
     # budget measured on a 2-core CPU), the drafter's 12 on a GPU (where 13 tokens cost about one)
     return DrafterSpec(name, summary, BlockOptions, load_block, 4, kind="block", gpu_budget=BlockDrafter.default_budget,
                        weights=f"{name}_smollm2_135m.safetensors", lookup=True,
-                       train=f"specdraft train block --modes {modes} {DATA_HINT} --out {{path}}")
+                       train=f"specdraft train block {args} {data} --out {{path}}")
 
 
 REGISTRY: dict[str, DrafterSpec] = {s.name: s for s in (
@@ -85,8 +85,11 @@ REGISTRY: dict[str, DrafterSpec] = {s.name: s for s in (
                 "LM head; exports to vLLM, SGLang and llama.cpp", HybridOptions, load_hybrid, HybridDrafter.default_budget,
                 kind="eagle3", weights="eagle3_smollm2_135m.safetensors", lookup=True, scale_with_curve=True,
                 train="specdraft train eagle3 --data data/smollm2 --features data/smollm2_feat_e3 --out {path}"),
-    _block("block", "DFlash block drafter: one pass drafts a block of 7 positions, DDTree product tree", 1),
-    _block("mfd", "Multi-Future Drafting: K=4 mode embeddings draft 4 blocks in one pass, mixture tree", 4),
+    _block("block", "DFlash block drafter: one pass drafts a block of 7 positions, DDTree product tree", "--modes 1"),
+    _block("mfd", "Multi-Future Drafting: K=4 mode embeddings draft 4 blocks in one pass, mixture tree", "--modes 4"),
+    _block("dflash", "DFlash exactly (q/k norm, the target's mask-token embedding, full vocabulary): a block of 7, "
+           "DDTree product tree; exports to vLLM, SGLang and llama.cpp", "--dflash --draft-vocab 0 --layers 2,15,27",
+           "--data data/smollm2 --features data/smollm2_feat_e3"),
 )}
 BY_KIND = {"phrase": REGISTRY["phrase"], "hybrid": REGISTRY["gumiho"], "eagle3": REGISTRY["eagle3"],
            "block": REGISTRY["block"]}  # for checkpoint paths

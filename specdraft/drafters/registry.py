@@ -29,6 +29,7 @@ from specdraft.nn.checkpoint import checkpoint_kind, load_draft_model
 
 WEIGHTS_DIR = Path(__file__).resolve().parents[1] / "weights"  # shipped weights for the default target
 DATA_HINT = "--data data/smollm2 --features data/smollm2_feat"  # the folders the shipped weights were trained on
+DATA_HINT_E3 = "--data data/smollm2 --features data/smollm2_feat_e3"  # eagle3's and dflash's (layers 2, 15, 27, -1)
 
 
 @dataclass
@@ -84,12 +85,12 @@ REGISTRY: dict[str, DrafterSpec] = {s.name: s for s in (
     DrafterSpec("eagle3", "EAGLE-3 exactly: fc over 3 target layers, one decoder layer over [embedding ; state], its own "
                 "LM head; exports to vLLM, SGLang and llama.cpp", HybridOptions, load_hybrid, HybridDrafter.default_budget,
                 kind="eagle3", weights="eagle3_smollm2_135m.safetensors", lookup=True, scale_with_curve=True,
-                train="specdraft train eagle3 --data data/smollm2 --features data/smollm2_feat_e3 --out {path}"),
+                train=f"specdraft train eagle3 --epochs 2 {DATA_HINT_E3} --out {{path}}"),
     _block("block", "DFlash block drafter: one pass drafts a block of 7 positions, DDTree product tree", "--modes 1"),
     _block("mfd", "Multi-Future Drafting: K=4 mode embeddings draft 4 blocks in one pass, mixture tree", "--modes 4"),
     _block("dflash", "DFlash exactly (q/k norm, the target's mask-token embedding, full vocabulary): a block of 7, "
-           "DDTree product tree; exports to vLLM, SGLang and llama.cpp", "--dflash --draft-vocab 0 --layers 2,15,27",
-           "--data data/smollm2 --features data/smollm2_feat_e3"),
+           "DDTree product tree; exports to vLLM, SGLang and llama.cpp",
+           "--dflash --draft-vocab 0 --layers 2,15,27 --steps 900", DATA_HINT_E3),
 )}
 BY_KIND = {"phrase": REGISTRY["phrase"], "hybrid": REGISTRY["gumiho"], "eagle3": REGISTRY["eagle3"],
            "block": REGISTRY["block"]}  # for checkpoint paths

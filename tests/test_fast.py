@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from gguf.quants import quantize
+from gguf.quants import dequantize, quantize
 
 from specdraft.errors import SpecdraftError
 from specdraft.generate import GenerateConfig, generate
@@ -27,40 +27,63 @@ from conftest import make_tiny_hf
 @pytest.fixture(autouse=True)
 def _vector_path():
     yield
-    torch.ops.specdraft_quant.fast_set_portable(False)
+    torch.ops.specdraft_quant.fast_set_isa(-1)
 
 
-def _weight(kind: str, n: int, k: int, seed: int) -> tuple[fast.FastWeight, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 2  # rows of different scales
-    raw = quant.RawQuant(kind, k, quantize(w.numpy(), GGMLQuantizationType[kind]))
-    return fast.FastWeight.from_raw(raw), raw.dequantize()
+def _random_raw(kind: str, n: int, k: int, seed: int) -> quant.RawQuant:
+    """A [n, k] matrix in ``kind``'s blocks: the 32-input formats quantized by gguf-py from rows of
+    different scales; the K-quants (gguf-py cannot quantize them) as random bytes with sane fp16 scales,
+    so every code, 6-bit scale and minimum appears."""
+    rng = np.random.default_rng(seed)
+    if kind not in fast.SUPER:
+        w = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0, 2, (n, 1)).astype(np.float32)
+        return quant.RawQuant(kind, k, quantize(w, GGMLQuantizationType[kind]))
+    data = rng.integers(0, 256, (n, k // 256, fast.BLOCK_BYTES[kind]), dtype=np.uint8)
+
+    def f16(a):
+        return np.frombuffer(a.astype(np.float16).tobytes(), np.uint8).reshape(*a.shape, 2)
+
+    at = (208,) if kind == "Q6_K" else (0, 2)  # d (and dmin)
+    for o in at:
+        data[..., o:o + 2] = f16(rng.uniform(1e-4, 2e-2, data.shape[:2]) * rng.choice([-1, 1], data.shape[:2]))
+    return quant.RawQuant(kind, k, data.reshape(n, -1))
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
-@pytest.mark.parametrize("n,k", [(16, 32), (40, 96), (96, 576), (24, 1536)])
+@pytest.mark.parametrize("kind", fast.FORMATS)
+def test_decoded_blocks_equal_gguf_py_dequantizer(kind):
+    """The layouts as read here (``fast.decode``) rebuild exactly the weights gguf-py's own reader does."""
+    raw = _random_raw(kind, 37, 512, seed=11)
+    ref = np.asarray(dequantize(raw.data, GGMLQuantizationType[kind]), dtype=np.float32).reshape(37, 512)
+    assert np.array_equal(fast.decode(raw).dequantize().numpy(), ref)
+
+
+@pytest.mark.parametrize("kind", fast.FORMATS)
+@pytest.mark.parametrize("n,k", [(16, 256), (40, 512), (24, 1536)])
 def test_kernel_equals_its_reference_bit_for_bit(kind, n, k):
     assert quant.kernel_available()
-    fw, dense = _weight(kind, n, k, seed=n + k)
+    raw = _random_raw(kind, n, k, seed=n + k)
+    fw = fast.FastWeight.from_raw(raw)
+    dense = fast.decode(raw).dequantize()
     g = torch.Generator().manual_seed(1)
     for m in (1, 3, 8, 13, 64, 70):  # 70: past one 64-row chunk of the kernel
         x = torch.randn(m, k, generator=g) * 4
         x[0, :32] = 0.0  # an all-zero block (d = 0)
         y = fw(x)
-        assert torch.equal(y, fast.reference_linear(x, fw)), (kind, n, k, m)
+        assert torch.equal(y, fast.reference_linear(x, raw)), (kind, n, k, m)
         # and it is the matmul it stands for, up to 8-bit activations
         ref = x @ dense.T
         assert (y - ref).abs().max() <= 0.03 * ref.abs().max()
 
 
-def test_weight_repacking_keeps_every_code_and_scale():
-    for kind in ("Q4_1", "Q8_0"):
-        fw, dense = _weight(kind, 40, 96, seed=3)
-        d, m = fw.scales()
-        rebuilt = fw.codes().float().view(40, 3, 32) * d[..., None]
-        if m is not None:
-            rebuilt = rebuilt + m[..., None]
-        assert torch.equal(rebuilt.view(40, 96), dense), kind
+def test_fused_parts_in_different_formats():
+    """A fused projection whose parts are stored in different formats (Q4_K_M's q|k|v): each part's
+    rows equal that part alone."""
+    parts = [_random_raw(kind, n, 512, seed=i) for i, (kind, n) in enumerate([("Q4_K", 48), ("Q6_K", 16), ("Q8_0", 20)])]
+    fused = fast.FastWeight.from_raw(*parts)
+    x = torch.randn(5, 512)
+    y = fused(x)
+    assert torch.equal(y, fast.reference_linear(x, *parts))
+    assert torch.equal(y[:, 48:64], fast.FastWeight.from_raw(parts[1])(x))
 
 
 def test_activation_quantization_equals_its_reference():
@@ -73,31 +96,38 @@ def test_activation_quantization_equals_its_reference():
     assert q.abs().max() <= 127
 
 
-def test_a_row_does_not_depend_on_the_rest_of_the_pass():
-    fw, _ = _weight("Q4_1", 48, 576, seed=5)
-    x = torch.randn(37, 576)
+@pytest.mark.parametrize("kind", ["Q4_1", "Q5_0", "Q6_K"])
+def test_a_row_does_not_depend_on_the_rest_of_the_pass(kind):
+    fw = fast.FastWeight.from_raw(_random_raw(kind, 48, 512, seed=5))
+    x = torch.randn(37, 512)
     whole = fw(x)
     for i in (0, 5, 17, 36):
         assert torch.equal(fw(x[i : i + 1]), whole[i : i + 1])
     assert torch.equal(fw(x[3:20]), whole[3:20])
 
 
-needs_simd = pytest.mark.skipif(not (quant.kernel_available() and torch.ops.specdraft_quant.fast_simd()),
+needs_simd = pytest.mark.skipif(not (quant.kernel_available() and torch.ops.specdraft_quant.fast_best_isa()),
                                 reason="this CPU has neither AVX-512 VNNI nor AVX2: the portable path is the only one, "
                                        "nothing to compare")
 
 
 @needs_simd
-def test_portable_implementation_gives_the_same_bits():
+@pytest.mark.parametrize("kind", fast.FORMATS)
+def test_every_vector_implementation_gives_the_portable_bits(kind):
     op = torch.ops.specdraft_quant
-    for kind in ("Q4_1", "Q8_0"):
-        fw, _ = _weight(kind, 32, 576, seed=7)
-        x = torch.randn(9, 576)
-        vec = fw(x)
-        op.fast_set_portable(True)
-        port = fw(x)
-        op.fast_set_portable(False)
-        assert torch.equal(vec, port), kind
+    fw = fast.FastWeight.from_raw(_random_raw(kind, 40, 512, seed=7))
+    x = torch.randn(11, 512)
+    op.fast_set_isa(0)
+    port = fw(x)
+    for which in range(1, op.fast_best_isa() + 1):  # AVX2, and AVX-512 VNNI where the CPU has it
+        op.fast_set_isa(which)
+        assert torch.equal(fw(x), port), (kind, fast.ISAS[which])
+    op.fast_set_isa(-1)
+
+
+def test_the_isa_in_use_is_reported():
+    assert fast.isa() in fast.ISAS
+    assert fast.ISAS.index(fast.isa()) == torch.ops.specdraft_quant.fast_best_isa()
 
 
 def _random_tree(rng: random.Random, n: int, vocab: int) -> Tree:
@@ -177,7 +207,7 @@ def test_portable_mode_gives_the_same_logits_and_tokens(default_target):
         return first, t.forward_tree(tree).logits.clone(), generate(t, ids, None, cfg).token_ids
 
     vec = run()
-    torch.ops.specdraft_quant.fast_set_portable(True)
+    torch.ops.specdraft_quant.fast_set_isa(0)
     port = run()
     assert torch.equal(vec[0], port[0]) and torch.equal(vec[1], port[1]) and vec[2] == port[2]
 
@@ -205,8 +235,8 @@ def test_exact_mode_is_still_selectable(default_weights):
 
 
 def test_repacking_refuses_other_block_formats():
-    raw = quant.RawQuant("Q4_0", 32, np.zeros((16, 18), dtype=np.uint8))
-    with pytest.raises(ValueError, match="Q4_1 / Q8_0"):
+    raw = quant.RawQuant("IQ2_XS", 256, np.zeros((16, 74), dtype=np.uint8))
+    with pytest.raises(ValueError, match="not IQ2_XS"):
         fast.FastWeight.from_raw(raw)
 
 

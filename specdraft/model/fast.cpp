@@ -7,13 +7,17 @@
 // pass and the thread split only decide *who* computes a result, never *how*.  So a tree node's
 // logits are bit-identical to a one-token pass over its path.
 //
-// Three implementations of the same arithmetic, picked at compile time (-march=native): AVX-512 VNNI
-// (vpdpbusd), AVX2 (vpmaddubsw + vpmaddwd: the same exact int32 block sums, and the same float
-// operations in 8-lane halves) and a portable one (plain loops); all give the same bits (tested: the
-// portable one runs beside the vector one on the same machine).  No FMA contraction anywhere
-// (-ffp-contract=off, and the vector code multiplies then adds), so the float operations are exactly
-// those a reference written with separate multiplies and adds performs (fast.reference_linear).
-// This file is compiled before model/quant.py's kernels, which use its rms_rows.
+// Written once over a small per-ISA layer.  The body between the two FAST-BODY lines is compiled three
+// times (model/quant.py does the copying): FAST_ISA 0 = portable loops (the reference), 1 = AVX2 + F16C
+// (vpmaddubsw + vpmaddwd), 2 = AVX-512 VNNI (vpdpbusd), each in its own namespace fastk<ISA> under
+// `#pragma GCC target`; the ops at the end pick one at run time from what the CPU has
+// (`__builtin_cpu_supports`).  Each block format's kernel (`quad`, `tile`) is one piece of code over the
+// layer's few operations (`struct Isa`: loads, bit selects, the int8 dot product of a quad, int32 and
+// float lane arithmetic); all three give the same bits (tested: each runs beside the portable one on the
+// same machine).  No FMA contraction anywhere (-ffp-contract=off, and the vector code multiplies then
+// adds), so the float operations are exactly those of a reference written with separate multiplies and
+// adds (fast.reference_linear).  This file is compiled before model/quant.py's kernels, which use its
+// rms_rows and rope_rows.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -28,19 +32,8 @@
 
 #include <immintrin.h>
 
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
-    defined(__AVX512VL__)
-#define FAST_VNNI 1
-#else
-#define FAST_VNNI 0
-#endif
-#if !FAST_VNNI && defined(__AVX2__) && defined(__F16C__)
-#define FAST_AVX2 1
-#else
-#define FAST_AVX2 0
-#endif
-
-namespace fastk {
+// FAST-BODY begin
+namespace FAST_NS {
 
 static inline float h2f(uint16_t h) {  // IEEE half -> float, exact
   const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
@@ -102,7 +95,7 @@ static inline float exp_s(float x) {
   return p * two_n;
 }
 
-#if FAST_VNNI
+#if FAST_ISA == 2
 static inline float reduce16v(__m512 v) {  // the same tree as reduce16
   __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
   __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -129,7 +122,7 @@ static inline __m512 exp_v(__m512 x) {  // exp_s on 16 lanes
 }
 #endif
 
-#if FAST_AVX2
+#if FAST_ISA == 1
 // The same 16-lane tree as reduce16, the 16 lanes held as two 8-lane halves (lo = lanes 0-7).
 static inline float reduce16h(__m256 lo, __m256 hi) {
   const __m256 a = _mm256_add_ps(lo, hi);  // v[i] + v[i+8]
@@ -157,19 +150,18 @@ static inline __m256 exp_v8(__m256 x) {  // exp_s on 8 lanes
 }
 #endif
 
-static bool g_portable = false;  // tests switch to the portable implementation to compare the two
-
 // ------------------------------------------------------------------ activation quantization
 // A row of K floats (K a multiple of 32) -> NB = K/32 blocks:
 //   q    int8 [NB*32]   q = round_half_even(x / d), d = max|x| / 127 per block (|q| <= 127)
 //   dx   float [NB]     d
-//   sx   float [NB]     d * sum(q)               (Q4_1's minimum term)
-//   negc int32 [NB]     -128 * sum(q)            (a Q8_0 code is stored + 128, see the weights)
+//   sx   float [NB]     d * sum(q)               (the minimum term of Q4_1, Q5_1, Q4_K, Q5_K)
+//   sq   int32 [NB]     sum(q)                   (the code offsets: Q4_0 8, Q5_0 16, Q6_K 32, VNNI's Q8_0 128)
+//   sq0  int32 [NB]     sum(q) of the first 16   (Q6_K's halves)
 struct QRows {
   int64_t NB = 0;
   std::vector<int8_t> q;
   std::vector<float> dx, sx;
-  std::vector<int32_t> negc;
+  std::vector<int32_t> sq, sq0;
 };
 
 static void quantize_row(const float* x, QRows& o, int64_t m) {
@@ -178,8 +170,8 @@ static void quantize_row(const float* x, QRows& o, int64_t m) {
     const float* xb = x + 32 * b;
     int8_t* qb = o.q.data() + (m * NB + b) * 32;
     float d;
-    int32_t isum = 0;
-#if FAST_VNNI
+    int32_t isum = 0, isum0 = 0;
+#if FAST_ISA == 2
     const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));  // max: exact
     d = amax / 127.f;
@@ -191,7 +183,8 @@ static void quantize_row(const float* x, QRows& o, int64_t m) {
     i1 = _mm512_min_epi32(_mm512_max_epi32(i1, lo), hi);
     _mm_storeu_si128((__m128i*)qb, _mm512_cvtepi32_epi8(i0));
     _mm_storeu_si128((__m128i*)(qb + 16), _mm512_cvtepi32_epi8(i1));
-    isum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));  // integers: exact in any order
+    isum0 = _mm512_reduce_add_epi32(i0);  // integers: exact in any order
+    isum = isum0 + _mm512_reduce_add_epi32(i1);
 #else
     float amax = 0.f;
     for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
@@ -202,11 +195,13 @@ static void quantize_row(const float* x, QRows& o, int64_t m) {
       v = std::min(127, std::max(-127, v));
       qb[j] = (int8_t)v;
       isum += v;
+      if (j == 15) isum0 = isum;
     }
 #endif
     o.dx[m * NB + b] = d;
     o.sx[m * NB + b] = d * (float)isum;
-    o.negc[m * NB + b] = -128 * isum;
+    o.sq[m * NB + b] = isum;
+    o.sq0[m * NB + b] = isum0;
   }
 }
 
@@ -215,252 +210,392 @@ static void quantize_rows(const float* x, int64_t M, int64_t K, QRows& o) {
   o.q.resize(M * K);
   o.dx.resize(M * o.NB);
   o.sx.resize(M * o.NB);
-  o.negc.resize(M * o.NB);
+  o.sq.resize(M * o.NB);
+  o.sq0.resize(M * o.NB);
   at::parallel_for(0, M, 16, [&](int64_t s, int64_t e) {
     for (int64_t m = s; m < e; ++m) quantize_row(x + m * K, o, m);
   });
 }
 
 // ------------------------------------------------------------------ weights
-// A weight matrix [N, K] repacked once at load (fast.py) in groups of 16 rows (zero rows pad N), block
-// by block: group g, block b holds
-//   qs  Q4_1: 4 x 64 bytes; vector k, lane l, byte i = code(16g+l, 32b + 8k+i) | code(16g+l, 32b + 8k+4+i) << 4
-//       Q8_0: 8 x 64 bytes; vector j, lane l, byte i = code(16g+l, 32b + 4j+i) + 128
-//   d, m  16 fp16 (the 16 rows' scale and minimum for block b)
-// so one vpdpbusd multiplies 4 inputs of block b for 16 rows at once, and 8 of them (j = 0..7) sum a
-// whole block in each row's lane: an exact int32 per (row, block), no horizontal sums.
+// A weight matrix [N, K] is repacked once at load (fast.py, FastWeight) in groups of 16 rows (zero rows pad
+// N), block by block.  Group g, block b (32 inputs) holds, for every format, its codes u >= 0 in "quad
+// vectors": quad j = inputs 4j .. 4j+3 of the block, lane l = row 16g+l, byte i = input 4j+i, so one
+// 64-byte vector is a quad for 16 rows (AVX2 and the portable path take it as two 32-byte halves of 8 rows).
+// The bytes stored per (group, block), in this order:
+//   nibbles  4 x 64   vector k, lane l, byte i = u(8k+i) & 15 | (u(8k+4+i) & 15) << 4   (all but Q8_0)
+//   bit 4    1 x 64   lane l, byte i: bit j = bit 4 of u(4j+i)                        (Q5_0, Q5_1, Q5_K)
+//   bits 4-5 2 x 64   vector p, lane l, byte i: bits 2jj, 2jj+1 = bits 4-5 of u(4(4p+jj)+i)   (Q6_K)
+//   int8     8 x 64   vector j, lane l, byte i = the signed code of input 4j+i          (Q8_0)
+// and the scales, 16 rows side by side:
+//   d  fp16 [G, NB, 16] the block scale (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), or [G, NB/8, 16] the super-block
+//      scale of 256 inputs (Q4_K, Q5_K, Q6_K)
+//   m  fp16 [G, NB, 16] the block minimum (Q4_1, Q5_1), or [G, NB/8, 16] the super-block dmin (Q4_K, Q5_K)
+//   sc bytes [G, NB, 2, 16]: Q4_K / Q5_K the 6-bit scale and minimum of the block; Q6_K the int8 scales of
+//      its two 16-input halves
+// What a block computes, per weight row n and activation row r (s exact in int32; every float op one
+// fp32 operation, in this order):
+//   Q4_0, Q5_0, Q8_0  s = sum_e c_e q_e, c = u - 8 / u - 16 / the int8        acc = acc + float(s) * (d * dx)
+//   Q4_1, Q5_1        s = sum_e u_e q_e                 acc = acc + float(s) * (d * dx);  acc = acc + m * sx
+//   Q4_K, Q5_K        s = sum_e u_e q_e,  dw = d * float(sc),  mw = -(dmin * float(mn))
+//                                                       acc = acc + float(s) * (dw * dx); acc = acc + mw * sx
+//   Q6_K              s = sc0 * sum_{e<16} (u_e - 32) q_e + sc1 * sum_{e>=16} (u_e - 32) q_e
+//                                                       acc = acc + float(s) * (d * dx)
+// over the blocks of the row in order (fast.reference_linear is the same in torch).
+enum Fmt : int64_t { Q4_0 = 0, Q4_1 = 1, Q5_0 = 2, Q5_1 = 3, Q8_0 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7 };
+
+static constexpr int64_t fmt_bytes(int64_t f) {
+  return f == Q8_0 ? 512 : (f == Q5_0 || f == Q5_1 || f == Q5_K) ? 320 : f == Q6_K ? 384 : 256;
+}
+static constexpr int fmt_cmax(int64_t f) {  // the largest unsigned code
+  return (f == Q5_0 || f == Q5_1 || f == Q5_K) ? 31 : f == Q6_K ? 63 : 15;
+}
+static constexpr bool fmt_min(int64_t f) { return f == Q4_1 || f == Q5_1 || f == Q4_K || f == Q5_K; }
+static constexpr bool fmt_super(int64_t f) { return f >= Q4_K; }
+
 struct W {
   const uint8_t* qs;
   const uint16_t* d;
-  const uint16_t* mn;  // Q4_1 only
+  const uint16_t* m;
+  const uint8_t* sc;
   int64_t N, K, NB, G, kind;
-  int64_t grp() const { return kind == 0 ? 256 : 512; }  // qs bytes per (group, block)
 };
 
-// y[m, n] = sum over blocks b in order of:
-//   acc = acc + float(s_b) * (d_w,b * d_x,b)     s_b = sum_e code_e q_e (int32, exact)
-//   acc = acc + m_w,b * sx_b                     (Q4_1)
-static float dot_portable(const W& w, int64_t n, const QRows& x, int64_t m) {
-  const int64_t g = n / 16, l = n % 16, NB = w.NB;
-  float acc = 0.f;
-  for (int64_t b = 0; b < NB; ++b) {
-    const uint8_t* qs = w.qs + (g * NB + b) * w.grp();
-    const int8_t* xq = x.q.data() + (m * NB + b) * 32;
-    int32_t s = 0;
-    for (int e = 0; e < 32; ++e) {
-      int32_t c;
-      if (w.kind == 0) {
-        const int k = e / 8, lo = (e % 8) < 4, i = e % 4;
-        const uint8_t byte = qs[k * 64 + l * 4 + i];
-        c = lo ? (byte & 15) : (byte >> 4);
-      } else {
-        c = (int32_t)qs[(e / 4) * 64 + l * 4 + e % 4] - 128;
-      }
-      s += c * (int32_t)xq[e];
-    }
-    const int64_t gb = (g * NB + b) * 16 + l;
-    acc = acc + (float)s * (h2f(w.d[gb]) * x.dx[m * NB + b]);
-    if (w.kind == 0) acc = acc + h2f(w.mn[gb]) * x.sx[m * NB + b];
-  }
-  return acc;
+static inline int32_t ld32(const int8_t* p) {  // 4 activation bytes as one int32 (no aliasing through int8)
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
 }
 
-#if FAST_VNNI
-// One group of 16 weight rows x T activation rows from m0: y[(m0+t) * ldy + 16g + l] for l < nv.
-template <int KIND, int T>
-static inline void gtile(const W& w, int64_t g, const QRows& x, int64_t m0, float* y, int64_t ldy, int64_t nv) {
-  const int64_t NB = w.NB;
-  __m512 acc[T];
-  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
-  const __m512i nib = _mm512_set1_epi8(0x0F);
-  const uint8_t* qs = w.qs + g * NB * w.grp();
-  for (int64_t b = 0; b < NB; ++b) {
-    __m512i wv[8];
-    if (KIND == 0) {
-      for (int k = 0; k < 4; ++k) {
-        const __m512i v = _mm512_loadu_si512((const void*)(qs + b * 256 + 64 * k));
-        wv[2 * k] = _mm512_and_si512(v, nib);
-        wv[2 * k + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-      }
-    } else {
-      for (int j = 0; j < 8; ++j) wv[j] = _mm512_loadu_si512((const void*)(qs + b * 512 + 64 * j));
-    }
-    const int64_t gb = (g * NB + b) * 16;
-    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w.d + gb)));
-    __m512 mw;
-    if (KIND == 0) mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w.mn + gb)));
-    for (int t = 0; t < T; ++t) {
-      const int64_t xb = (m0 + t) * NB + b;
-      int32_t xq[8];  // the block's 32 int8 as 8 groups of 4 (memcpy: no aliasing through int8 storage)
-      std::memcpy(xq, x.q.data() + xb * 32, 32);
-      __m512i s = KIND == 0 ? _mm512_setzero_si512() : _mm512_set1_epi32(x.negc[xb]);
-      for (int j = 0; j < 8; ++j) s = _mm512_dpbusd_epi32(s, wv[j], _mm512_set1_epi32(xq[j]));
-      acc[t] = _mm512_add_ps(acc[t], _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(x.dx[xb]))));
-      if (KIND == 0) acc[t] = _mm512_add_ps(acc[t], _mm512_mul_ps(mw, _mm512_set1_ps(x.sx[xb])));
+// ---- the per-ISA layer: L weight rows per vector.  B: L rows x 4 bytes; I: L int32; F: L floats.
+// Acc sums one block's products per lane: step(a, w, x4, j) for quads j = 0, 1, ... (unsigned codes <= CMAX
+// against 4 signed activation bytes x4); done(a) the exact int32.  The signed Q8_0 codes: prep_s once per
+// quad vector, step_s per row, done_s(a, sum q).
+#if FAST_ISA == 2
+struct Isa {
+  static constexpr int L = 16, T = 8;  // 16 rows a vector, 8 activation rows a tile (32 zmm registers)
+  using B = __m512i;
+  using I = __m512i;
+  using F = __m512;
+  struct Acc { I s; };
+  static B load(const uint8_t* p) { return _mm512_loadu_si512((const void*)p); }
+  template <int SH, int MASK> static B bits(B v) {  // per byte: (v << SH or >> -SH) & MASK (MASK keeps bytes apart)
+    const B m = _mm512_set1_epi8((char)MASK);
+    if (SH > 0) return _mm512_and_si512(_mm512_slli_epi16(v, SH), m);
+    if (SH < 0) return _mm512_and_si512(_mm512_srli_epi16(v, -SH), m);
+    return _mm512_and_si512(v, m);
+  }
+  static B bor(B a, B b) { return _mm512_or_si512(a, b); }
+  template <int CMAX> static void step(Acc& a, B w, int32_t x4, int j) {
+    a.s = _mm512_dpbusd_epi32(j == 0 ? _mm512_setzero_si512() : a.s, w, _mm512_set1_epi32(x4));
+  }
+  static I done(const Acc& a) { return a.s; }
+  using SB = B;  // the code + 128, unsigned
+  static SB prep_s(B w) { return _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80)); }
+  static void step_s(Acc& a, SB w, int32_t x4, int j) { step<255>(a, w, x4, j); }
+  static I done_s(const Acc& a, int32_t sq) { return _mm512_add_epi32(a.s, _mm512_set1_epi32(-128 * sq)); }
+  static I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I imul(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  static I iset(int32_t v) { return _mm512_set1_epi32(v); }
+  static I load_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
+  static I load_i8(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)); }
+  static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
+  static F fadd(F a, F b) { return _mm512_add_ps(a, b); }
+  static F fmul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fneg(F a) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(INT32_MIN))); }
+  static F fset(float v) { return _mm512_set1_ps(v); }
+  static F fzero() { return _mm512_setzero_ps(); }
+  static F load_h(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+  static void store(float* y, F v, int64_t n) { _mm512_mask_storeu_ps(y, (__mmask16)((1u << n) - 1), v); }
+};
+#elif FAST_ISA == 1
+struct Isa {
+  static constexpr int L = 8, T = 4;  // 8 rows a vector, 4 activation rows a tile (16 ymm registers)
+  using B = __m256i;
+  using I = __m256i;
+  using F = __m256;
+  // vpmaddubsw multiplies unsigned codes by signed activations and adds pairs into int16, vpmaddwd adds
+  // those pairs into one int32 per row.  A pair is at most 2 * CMAX * 127, so 32767 / that many quads'
+  // pairs add up in int16 before one vpmaddwd (codes <= 15: all 8; <= 31: 4; <= 63: 2): no saturation.
+  struct Acc { I s; I p; };
+  static B load(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+  template <int SH, int MASK> static B bits(B v) {
+    const B m = _mm256_set1_epi8((char)MASK);
+    if (SH > 0) return _mm256_and_si256(_mm256_slli_epi16(v, SH), m);
+    if (SH < 0) return _mm256_and_si256(_mm256_srli_epi16(v, -SH), m);
+    return _mm256_and_si256(v, m);
+  }
+  static B bor(B a, B b) { return _mm256_or_si256(a, b); }
+  template <int CMAX> static void step(Acc& a, B w, int32_t x4, int j) {
+    constexpr int P = 32767 / (2 * CMAX * 127);  // quads whose pairs fit in int16
+    const I prod = _mm256_maddubs_epi16(w, _mm256_set1_epi32(x4));
+    a.p = j % P == 0 ? prod : _mm256_add_epi16(a.p, prod);
+    if (j % P == P - 1) {
+      const I t = _mm256_madd_epi16(a.p, _mm256_set1_epi16(1));
+      a.s = j == P - 1 ? t : _mm256_add_epi32(a.s, t);
     }
   }
-  const __mmask16 keep = (__mmask16)((1u << nv) - 1);
-  for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(y + (m0 + t) * ldy + 16 * g, keep, acc[t]);
-}
-
-template <int KIND>
-static void groups_vnni(const W& w, int64_t gs, int64_t ge, const QRows& x, int64_t M, float* y, int64_t ldy) {
-  for (int64_t m0 = 0; m0 < M; m0 += 64) {  // 64 activation rows at a time stay in L1/L2 while the weights stream
-    const int64_t m1 = std::min(M, m0 + 64);
-    for (int64_t g = gs; g < ge; ++g) {
-      const int64_t nv = std::min<int64_t>(16, w.N - 16 * g);
-      for (int64_t m = m0; m < m1; m += 8) {
-        switch (std::min<int64_t>(8, m1 - m)) {
-          case 8: gtile<KIND, 8>(w, g, x, m, y, ldy, nv); break;
-          case 7: gtile<KIND, 7>(w, g, x, m, y, ldy, nv); break;
-          case 6: gtile<KIND, 6>(w, g, x, m, y, ldy, nv); break;
-          case 5: gtile<KIND, 5>(w, g, x, m, y, ldy, nv); break;
-          case 4: gtile<KIND, 4>(w, g, x, m, y, ldy, nv); break;
-          case 3: gtile<KIND, 3>(w, g, x, m, y, ldy, nv); break;
-          case 2: gtile<KIND, 2>(w, g, x, m, y, ldy, nv); break;
-          default: gtile<KIND, 1>(w, g, x, m, y, ldy, nv); break;
-        }
-      }
-    }
+  static I done(const Acc& a) { return a.s; }
+  // Q8_0: |code| (<= 128) against the activation with the code's sign (vpsignb): a pair is at most
+  // 2 * 128 * 127 = 32512, so each quad goes to int32 on its own.
+  struct SB { B abs, sgn; };
+  static SB prep_s(B w) { return {_mm256_abs_epi8(w), w}; }
+  static void step_s(Acc& a, const SB& w, int32_t x4, int j) {
+    const I t = _mm256_madd_epi16(_mm256_maddubs_epi16(w.abs, _mm256_sign_epi8(_mm256_set1_epi32(x4), w.sgn)),
+                                  _mm256_set1_epi16(1));
+    a.s = j == 0 ? t : _mm256_add_epi32(a.s, t);
   }
-}
-#endif
-
-#if FAST_AVX2
-// Half a group (8 weight rows, h = 0 or 1) x T activation rows from m0: y[(m0+t) * ldy + 16g + 8h + l]
-// for l < nv.  One 256-bit register holds 4 inputs of block b for the 8 rows (the same bytes as half
-// of a VNNI vector).  vpmaddubsw multiplies unsigned weight bytes by signed inputs and adds pairs into
-// int16 lanes, vpmaddwd adds those pairs into one int32 per row: each row's 4-input sum, exactly.
-//   Q4_1: codes 0..15, so a pair is at most 2*15*127 and the 8 vectors' pairs (32 inputs) at most
-//         30480: they add up in int16 before one vpmaddwd.
-//   Q8_0: the stored byte is code + 128; byte ^ 0x80 is the code as int8.  vpmaddubsw takes |code|
-//         (<= 128) against the input with the code's sign (vpsignb), so a pair is at most 2*128*127 =
-//         32512: no saturation; each vector goes to int32 on its own.
-// The int32 is sum_e code_e q_e, the same integer as vpdpbusd's (there: sum (code+128) q_e - 128 sum q_e),
-// and the float steps that follow are VNNI's, lane for lane.
-template <int KIND, int T>
-static inline void htile(const W& w, int64_t g, int64_t h, const QRows& x, int64_t m0, float* y, int64_t ldy,
-                         int64_t nv) {
-  const int64_t NB = w.NB;
-  __m256 acc[T];
-  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
-  const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
-  const uint8_t* qs = w.qs + g * NB * w.grp() + 32 * h;
-  for (int64_t b = 0; b < NB; ++b) {
-    __m256i wv[8];  // Q4_1: codes; Q8_0: |code|
-    __m256i ws[8];  // Q8_0: the code as int8 (for its sign)
-    if (KIND == 0) {
-      for (int k = 0; k < 4; ++k) {
-        const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + b * 256 + 64 * k));
-        wv[2 * k] = _mm256_and_si256(v, nib);
-        wv[2 * k + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-      }
-    } else {
-      for (int j = 0; j < 8; ++j) {
-        ws[j] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(qs + b * 512 + 64 * j)), flip);
-        wv[j] = _mm256_abs_epi8(ws[j]);
-      }
-    }
-    const int64_t gb = (g * NB + b) * 16 + 8 * h;
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w.d + gb)));
-    __m256 mw;
-    if (KIND == 0) mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w.mn + gb)));
-    for (int t = 0; t < T; ++t) {
-      const int64_t xb = (m0 + t) * NB + b;
-      int32_t xq[8];  // the block's 32 int8 as 8 groups of 4
-      std::memcpy(xq, x.q.data() + xb * 32, 32);
-      __m256i s;
-      if (KIND == 0) {
-        __m256i p = _mm256_maddubs_epi16(wv[0], _mm256_set1_epi32(xq[0]));
-        for (int j = 1; j < 8; ++j) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(wv[j], _mm256_set1_epi32(xq[j])));
-        s = _mm256_madd_epi16(p, ones);
-      } else {
-        s = _mm256_setzero_si256();
-        for (int j = 0; j < 8; ++j) {
-          const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(xq[j]), ws[j]);
-          s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(wv[j], xs), ones));
-        }
-      }
-      acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, _mm256_set1_ps(x.dx[xb]))));
-      if (KIND == 0) acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(mw, _mm256_set1_ps(x.sx[xb])));
-    }
-  }
-  const int64_t keep = std::min<int64_t>(8, nv - 8 * h);
-  for (int t = 0; t < T; ++t) {
-    float* dst = y + (m0 + t) * ldy + 16 * g + 8 * h;
-    if (keep == 8) {
-      _mm256_storeu_ps(dst, acc[t]);
+  static I done_s(const Acc& a, int32_t) { return a.s; }
+  static I iadd(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I imul(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  static I iset(int32_t v) { return _mm256_set1_epi32(v); }
+  static I load_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+  static I load_i8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+  static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
+  static F fadd(F a, F b) { return _mm256_add_ps(a, b); }
+  static F fmul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fneg(F a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.f)); }
+  static F fset(float v) { return _mm256_set1_ps(v); }
+  static F fzero() { return _mm256_setzero_ps(); }
+  static F load_h(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+  static void store(float* y, F v, int64_t n) {
+    if (n == 8) {
+      _mm256_storeu_ps(y, v);
     } else {
       float tmp[8];
-      _mm256_storeu_ps(tmp, acc[t]);
-      std::memcpy(dst, tmp, keep * sizeof(float));
+      _mm256_storeu_ps(tmp, v);
+      std::memcpy(y, tmp, n * sizeof(float));
     }
+  }
+};
+#else
+struct Isa {  // the portable reference: plain loops over 8 lanes, the same integers and float operations
+  static constexpr int L = 8, T = 4;
+  struct B { uint8_t v[32]; };
+  struct I { int32_t v[8]; };
+  struct F { float v[8]; };
+  struct Acc { I s; };
+  static B load(const uint8_t* p) { B b; std::memcpy(b.v, p, 32); return b; }
+  template <int SH, int MASK> static B bits(B b) {
+    for (int i = 0; i < 32; ++i) b.v[i] = (uint8_t)((SH >= 0 ? b.v[i] << SH : b.v[i] >> -SH) & MASK);
+    return b;
+  }
+  static B bor(B a, const B& b) { for (int i = 0; i < 32; ++i) a.v[i] |= b.v[i]; return a; }
+  template <int CMAX> static void step(Acc& a, const B& w, int32_t x4, int j) {
+    int8_t x[4];
+    std::memcpy(x, &x4, 4);
+    for (int l = 0; l < 8; ++l) {
+      int32_t s = j == 0 ? 0 : a.s.v[l];
+      for (int i = 0; i < 4; ++i) s += (int32_t)w.v[4 * l + i] * x[i];
+      a.s.v[l] = s;
+    }
+  }
+  static I done(const Acc& a) { return a.s; }
+  using SB = B;
+  static SB prep_s(const B& w) { return w; }
+  static void step_s(Acc& a, const B& w, int32_t x4, int j) {
+    int8_t x[4];
+    std::memcpy(x, &x4, 4);
+    for (int l = 0; l < 8; ++l) {
+      int32_t s = j == 0 ? 0 : a.s.v[l];
+      for (int i = 0; i < 4; ++i) s += (int32_t)(int8_t)w.v[4 * l + i] * x[i];
+      a.s.v[l] = s;
+    }
+  }
+  static I done_s(const Acc& a, int32_t) { return a.s; }
+  static I iadd(I a, const I& b) { for (int l = 0; l < 8; ++l) a.v[l] += b.v[l]; return a; }
+  static I imul(I a, const I& b) { for (int l = 0; l < 8; ++l) a.v[l] *= b.v[l]; return a; }
+  static I iset(int32_t v) { I a; for (int l = 0; l < 8; ++l) a.v[l] = v; return a; }
+  static I load_u8(const uint8_t* p) { I a; for (int l = 0; l < 8; ++l) a.v[l] = p[l]; return a; }
+  static I load_i8(const uint8_t* p) { I a; for (int l = 0; l < 8; ++l) a.v[l] = (int8_t)p[l]; return a; }
+  static F cvt(const I& v) { F a; for (int l = 0; l < 8; ++l) a.v[l] = (float)v.v[l]; return a; }
+  static F fadd(F a, const F& b) { for (int l = 0; l < 8; ++l) a.v[l] = a.v[l] + b.v[l]; return a; }
+  static F fmul(F a, const F& b) { for (int l = 0; l < 8; ++l) a.v[l] = a.v[l] * b.v[l]; return a; }
+  static F fneg(F a) { for (int l = 0; l < 8; ++l) a.v[l] = -a.v[l]; return a; }
+  static F fset(float v) { F a; for (int l = 0; l < 8; ++l) a.v[l] = v; return a; }
+  static F fzero() { return fset(0.f); }
+  static F load_h(const uint16_t* p) { F a; for (int l = 0; l < 8; ++l) a.v[l] = h2f(p[l]); return a; }
+  static void store(float* y, const F& v, int64_t n) { std::memcpy(y, v.v, n * sizeof(float)); }
+};
+#endif
+
+// ---- the formats, once, over that layer
+// Quad j of a block's codes, for the L rows of this slice (blk points at the slice's lanes of the block).
+template <int64_t KIND, int J>
+static inline typename Isa::B quad(const uint8_t* blk) {
+  if (KIND == Q8_0) return Isa::load(blk + 64 * J);
+  const typename Isa::B v = Isa::load(blk + 64 * (J / 2));
+  const typename Isa::B nib = J % 2 == 0 ? Isa::template bits<0, 0x0F>(v) : Isa::template bits<-4, 0x0F>(v);
+  if (KIND == Q5_0 || KIND == Q5_1 || KIND == Q5_K)
+    return Isa::bor(nib, Isa::template bits<4 - J, 0x10>(Isa::load(blk + 256)));
+  if (KIND == Q6_K)
+    return Isa::bor(nib, Isa::template bits<4 - 2 * (J % 4), 0x30>(Isa::load(blk + 256 + 64 * (J / 4))));
+  return nib;
+}
+
+template <int64_t KIND, int T, int J>
+static inline void quads(const uint8_t* blk, const int8_t* const* xq, typename Isa::Acc* a, typename Isa::Acc* a2) {
+  if constexpr (J < 8) {
+    const typename Isa::B w = quad<KIND, J>(blk);
+    if constexpr (KIND == Q8_0) {
+      const typename Isa::SB sw = Isa::prep_s(w);
+      for (int t = 0; t < T; ++t) Isa::step_s(a[t], sw, ld32(xq[t] + 4 * J), J);
+    } else if constexpr (KIND == Q6_K) {  // the two 16-input halves apart: each has its own scale
+      for (int t = 0; t < T; ++t) Isa::template step<63>(J < 4 ? a[t] : a2[t], w, ld32(xq[t] + 4 * J), J % 4);
+    } else {
+      for (int t = 0; t < T; ++t) Isa::template step<fmt_cmax(KIND)>(a[t], w, ld32(xq[t] + 4 * J), J);
+    }
+    quads<KIND, T, J + 1>(blk, xq, a, a2);
   }
 }
 
-template <int KIND>
-static void groups_avx2(const W& w, int64_t gs, int64_t ge, const QRows& x, int64_t M, float* y, int64_t ldy) {
-  for (int64_t m0 = 0; m0 < M; m0 += 64) {  // 64 activation rows at a time stay in L1/L2 while the weights stream
-    const int64_t m1 = std::min(M, m0 + 64);
+// One slice of L rows (lanes lo .. lo+L-1 of group g) x T activation rows from r0:
+// y[(r0+t) * ldy + 16g + lo + l] for l < nv - lo.
+template <int64_t KIND, int T>
+static void tile(const W& w, int64_t g, int64_t lo, const QRows& x, int64_t r0, float* y, int64_t ldy, int64_t nv) {
+  const int64_t NB = w.NB, NSB = NB / 8;
+  typename Isa::F acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = Isa::fzero();
+  const uint8_t* base = w.qs + g * NB * fmt_bytes(KIND) + 4 * lo;
+  for (int64_t b = 0; b < NB; ++b) {
+    const int8_t* xq[T];
+    for (int t = 0; t < T; ++t) xq[t] = x.q.data() + ((r0 + t) * NB + b) * 32;
+    typename Isa::Acc a[T], a2[T];
+    quads<KIND, T, 0>(base + b * fmt_bytes(KIND), xq, a, a2);
+    typename Isa::F dw, mw;
+    typename Isa::I sc0, sc1;
+    if constexpr (fmt_super(KIND)) {
+      const int64_t sg = (g * NSB + b / 8) * 16 + lo;
+      const uint8_t* scb = w.sc + (g * NB + b) * 32 + lo;
+      dw = Isa::load_h(w.d + sg);
+      if constexpr (KIND == Q6_K) {
+        sc0 = Isa::load_i8(scb);
+        sc1 = Isa::load_i8(scb + 16);
+      } else {
+        dw = Isa::fmul(dw, Isa::cvt(Isa::load_u8(scb)));
+        mw = Isa::fneg(Isa::fmul(Isa::load_h(w.m + sg), Isa::cvt(Isa::load_u8(scb + 16))));
+      }
+    } else {
+      const int64_t gb = (g * NB + b) * 16 + lo;
+      dw = Isa::load_h(w.d + gb);
+      if constexpr (fmt_min(KIND)) mw = Isa::load_h(w.m + gb);
+    }
+    for (int t = 0; t < T; ++t) {
+      const int64_t xb = (r0 + t) * NB + b;
+      typename Isa::I s;
+      if constexpr (KIND == Q8_0) {
+        s = Isa::done_s(a[t], x.sq[xb]);
+      } else if constexpr (KIND == Q4_0 || KIND == Q5_0) {
+        s = Isa::iadd(Isa::done(a[t]), Isa::iset((KIND == Q4_0 ? -8 : -16) * x.sq[xb]));
+      } else if constexpr (KIND == Q6_K) {
+        const typename Isa::I s0 = Isa::iadd(Isa::done(a[t]), Isa::iset(-32 * x.sq0[xb]));
+        const typename Isa::I s1 = Isa::iadd(Isa::done(a2[t]), Isa::iset(-32 * (x.sq[xb] - x.sq0[xb])));
+        s = Isa::iadd(Isa::imul(s0, sc0), Isa::imul(s1, sc1));
+      } else {
+        s = Isa::done(a[t]);
+      }
+      acc[t] = Isa::fadd(acc[t], Isa::fmul(Isa::cvt(s), Isa::fmul(dw, Isa::fset(x.dx[xb]))));
+      if constexpr (fmt_min(KIND)) acc[t] = Isa::fadd(acc[t], Isa::fmul(mw, Isa::fset(x.sx[xb])));
+    }
+  }
+  const int64_t keep = std::min<int64_t>(Isa::L, nv - lo);
+  for (int t = 0; t < T; ++t) Isa::store(y + (r0 + t) * ldy + 16 * g + lo, acc[t], keep);
+}
+
+template <int64_t KIND, int T>
+static inline void tile_upto(int64_t n, const W& w, int64_t g, int64_t lo, const QRows& x, int64_t r0, float* y,
+                             int64_t ldy, int64_t nv) {  // a tile of n <= T rows
+  if constexpr (T > 1) {
+    if (n < T) return tile_upto<KIND, T - 1>(n, w, g, lo, x, r0, y, ldy, nv);
+  }
+  tile<KIND, T>(w, g, lo, x, r0, y, ldy, nv);
+}
+
+// Groups gs .. ge-1 of w against all M rows.  The activation rows go in chunks of 64 (they stay in L1/L2);
+// within a chunk each group's weights are read from memory once and reused from L1 by every tile of rows.
+template <int64_t KIND>
+static void groups(const W& w, int64_t gs, int64_t ge, const QRows& x, int64_t M, float* y, int64_t ldy) {
+  for (int64_t r0 = 0; r0 < M; r0 += 64) {
+    const int64_t r1 = std::min(M, r0 + 64);
     for (int64_t g = gs; g < ge; ++g) {
       const int64_t nv = std::min<int64_t>(16, w.N - 16 * g);
-      for (int64_t h = 0; h < 2 && 8 * h < nv; ++h)
-        for (int64_t m = m0; m < m1; m += 4) {
-          switch (std::min<int64_t>(4, m1 - m)) {
-            case 4: htile<KIND, 4>(w, g, h, x, m, y, ldy, nv); break;
-            case 3: htile<KIND, 3>(w, g, h, x, m, y, ldy, nv); break;
-            case 2: htile<KIND, 2>(w, g, h, x, m, y, ldy, nv); break;
-            default: htile<KIND, 1>(w, g, h, x, m, y, ldy, nv); break;
-          }
-        }
+      if (g + 1 < ge)  // the next group's first blocks, while this one computes
+        for (int64_t o = 0; o < 4 * 64; o += 64) _mm_prefetch((const char*)(w.qs + (g + 1) * w.NB * fmt_bytes(KIND) + o), _MM_HINT_T0);
+      for (int64_t lo = 0; lo < nv; lo += Isa::L)
+        for (int64_t r = r0; r < r1; r += Isa::T) tile_upto<KIND, Isa::T>(std::min<int64_t>(Isa::T, r1 - r), w, g, lo, x, r, y, ldy, nv);
     }
   }
 }
-#endif
 
-// y[M, N] (row stride ldy) = the quantized rows x against every weight row; groups of 16 weight rows
-// split over threads.
-static void linear_q(const QRows& x, int64_t M, const W& w, float* y, int64_t ldy) {
-  at::parallel_for(0, w.G, 4, [&](int64_t gs, int64_t ge) {
-#if FAST_VNNI
-    if (!g_portable) {
-      if (w.kind == 0) groups_vnni<0>(w, gs, ge, x, M, y, ldy);
-      else groups_vnni<1>(w, gs, ge, x, M, y, ldy);
-      return;
+// One projection: its parts (a fused q|k|v or gate|up whose parts may be stored in different formats)
+// side by side in the output row.
+struct WSet {
+  std::vector<W> parts;
+  int64_t N = 0, K = 0;
+};
+
+// y[M, N] (row stride ldy) = the quantized rows x against every weight row; the groups of 16 rows of
+// all parts split over threads.
+static void linear_q(const QRows& x, int64_t M, const WSet& ws, float* y, int64_t ldy) {
+  int64_t total = 0;
+  for (const W& w : ws.parts) total += w.G;
+  at::parallel_for(0, total, 4, [&](int64_t s, int64_t e) {
+    int64_t first = 0, col = 0;
+    for (const W& w : ws.parts) {
+      const int64_t gs = std::max(s, first) - first, ge = std::min(e, first + w.G) - first;
+      if (gs < ge) {
+        float* yp = y + col;
+        switch (w.kind) {
+          case Q4_0: groups<Q4_0>(w, gs, ge, x, M, yp, ldy); break;
+          case Q4_1: groups<Q4_1>(w, gs, ge, x, M, yp, ldy); break;
+          case Q5_0: groups<Q5_0>(w, gs, ge, x, M, yp, ldy); break;
+          case Q5_1: groups<Q5_1>(w, gs, ge, x, M, yp, ldy); break;
+          case Q8_0: groups<Q8_0>(w, gs, ge, x, M, yp, ldy); break;
+          case Q4_K: groups<Q4_K>(w, gs, ge, x, M, yp, ldy); break;
+          case Q5_K: groups<Q5_K>(w, gs, ge, x, M, yp, ldy); break;
+          default: groups<Q6_K>(w, gs, ge, x, M, yp, ldy); break;
+        }
+      }
+      first += w.G;
+      col += w.N;
     }
-#elif FAST_AVX2
-    if (!g_portable) {
-      if (w.kind == 0) groups_avx2<0>(w, gs, ge, x, M, y, ldy);
-      else groups_avx2<1>(w, gs, ge, x, M, y, ldy);
-      return;
-    }
-#endif
-    for (int64_t n = 16 * gs; n < std::min(w.N, 16 * ge); ++n)
-      for (int64_t m = 0; m < M; ++m) y[m * ldy + n] = dot_portable(w, n, x, m);
   });
 }
 
-static W weight(const at::Tensor& qs, const at::Tensor& d, const std::optional<at::Tensor>& mn, int64_t N, int64_t K,
-                int64_t kind) {
-  TORCH_CHECK(kind == 0 || kind == 1, "fast weight: kind 0 (Q4_1) or 1 (Q8_0)");
-  TORCH_CHECK(qs.is_cpu() && d.is_cpu() && (!mn || mn->is_cpu()), "fast weight: CPU tensors");
-  TORCH_CHECK(K % 32 == 0 && N > 0, "fast weight: K a multiple of 32");
-  const int64_t NB = K / 32, G = (N + 15) / 16;
-  W w{nullptr, nullptr, nullptr, N, K, NB, G, kind};
-  TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.numel() == G * NB * w.grp(),
-              "fast weight: qs [G, NB, bytes] uint8");
-  TORCH_CHECK(d.scalar_type() == at::kShort && d.is_contiguous() && d.numel() == G * NB * 16,
-              "fast weight: d [G, NB, 16] int16 (fp16 bits)");
-  w.qs = qs.data_ptr<uint8_t>();
-  w.d = (const uint16_t*)d.data_ptr<int16_t>();
-  if (kind == 0) {
-    TORCH_CHECK(mn.has_value() && mn->numel() == d.numel() && mn->scalar_type() == at::kShort && mn->is_contiguous(),
-                "fast weight: Q4_1 needs m like d");
-    w.mn = (const uint16_t*)mn->data_ptr<int16_t>();
+// A projection from its tensors: per part [qs, d, m, sc] (undefined or empty where the format has none),
+// meta = [kind, rows] per part; K the input width.
+static WSet weights(at::TensorList t, at::IntArrayRef meta, int64_t K) {
+  TORCH_CHECK(t.size() == 2 * meta.size() && !meta.empty() && meta.size() % 2 == 0,
+              "fast weight: 4 tensors and (kind, rows) per part");
+  TORCH_CHECK(K % 32 == 0, "fast weight: K a multiple of 32");
+  WSet ws;
+  ws.K = K;
+  for (size_t p = 0; p < meta.size() / 2; ++p) {
+    const int64_t kind = meta[2 * p], N = meta[2 * p + 1], NB = K / 32, G = (N + 15) / 16;
+    TORCH_CHECK(kind >= Q4_0 && kind <= Q6_K && N > 0, "fast weight: kind 0..7 and rows > 0");
+    TORCH_CHECK(!fmt_super(kind) || K % 256 == 0, "fast weight: K-quants need K a multiple of 256");
+    const at::Tensor &qs = t[4 * p], &d = t[4 * p + 1], &m = t[4 * p + 2], &sc = t[4 * p + 3];
+    const int64_t nd = fmt_super(kind) ? NB / 8 : NB;
+    TORCH_CHECK(qs.is_cpu() && qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.numel() == G * NB * fmt_bytes(kind),
+                "fast weight: qs [G, NB, bytes] uint8");
+    TORCH_CHECK(d.is_cpu() && d.scalar_type() == at::kShort && d.is_contiguous() && d.numel() == G * nd * 16,
+                "fast weight: d [G, NB or NB/8, 16] int16 (fp16 bits)");
+    W w{qs.data_ptr<uint8_t>(), (const uint16_t*)d.data_ptr<int16_t>(), nullptr, nullptr, N, K, NB, G, kind};
+    if (fmt_min(kind)) {
+      TORCH_CHECK(m.defined() && m.is_cpu() && m.scalar_type() == at::kShort && m.is_contiguous() && m.numel() == d.numel(),
+                  "fast weight: m like d");
+      w.m = (const uint16_t*)m.data_ptr<int16_t>();
+    }
+    if (fmt_super(kind)) {
+      TORCH_CHECK(sc.defined() && sc.is_cpu() && (sc.scalar_type() == at::kByte || sc.scalar_type() == at::kChar) &&
+                      sc.is_contiguous() && sc.numel() == G * NB * 32, "fast weight: sc [G, NB, 2, 16] bytes");
+      w.sc = (const uint8_t*)sc.data_ptr();
+    }
+    ws.parts.push_back(w);
+    ws.N += N;
   }
-  return w;
+  return ws;
 }
-
 // ------------------------------------------------------------------ glue, row by row
 static inline float sumsq(const float* x, int64_t n) {  // 16 lanes in index order, then reduce16
   float a[16] = {0.f};
@@ -515,8 +650,8 @@ static void attend(const float* q, int64_t q_stride, const float* kbase, const f
                    const int32_t* idx, int64_t n, int64_t G, int64_t D, float scale, float* sc, float* out,
                    int64_t out_stride) {
   std::vector<float> mx(G, -INFINITY);
-#if FAST_VNNI
-  if (!g_portable && G <= 8 && D <= 256) {
+#if FAST_ISA == 2
+  if (G <= 8 && D <= 256) {
     const int64_t C = D / 16;
     for (int64_t i = 0; i < n; ++i) {  // scores: each key read once for the G heads
       const float* k = kbase + idx[i] * s_s;
@@ -557,8 +692,8 @@ static void attend(const float* q, int64_t q_stride, const float* kbase, const f
     }
     return;
   }
-#elif FAST_AVX2
-  if (!g_portable && G <= 8 && D <= 256) {  // the VNNI loop's arithmetic in 8-lane halves
+#elif FAST_ISA == 1
+  if (G <= 8 && D <= 256) {  // the VNNI loop's arithmetic in 8-lane halves
     const int64_t C = D / 16;
     for (int64_t i = 0; i < n; ++i) {
       const float* k = kbase + idx[i] * s_s;
@@ -639,16 +774,16 @@ static void silu_rows(const float* gu, int64_t M, int64_t inter, float* out) {
     const float* g = gu + m * 2 * inter;
     float* o = out + m * inter;
     int64_t j = 0;
-#if FAST_VNNI
-    if (!g_portable)
+#if FAST_ISA == 2
+    if (true)
       for (; j + 16 <= inter; j += 16) {
         const __m512 gv = _mm512_loadu_ps(g + j);
         const __m512 e = exp_v(_mm512_sub_ps(_mm512_setzero_ps(), gv));
         _mm512_storeu_ps(o + j, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)),
                                               _mm512_loadu_ps(g + inter + j)));
       }
-#elif FAST_AVX2
-    if (!g_portable)
+#elif FAST_ISA == 1
+    if (true)
       for (; j + 8 <= inter; j += 8) {
         const __m256 gv = _mm256_loadu_ps(g + j);
         const __m256 e = exp_v8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
@@ -661,12 +796,11 @@ static void silu_rows(const float* gu, int64_t M, int64_t inter, float* out) {
 }
 
 // ------------------------------------------------------------------ ops
-at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const std::optional<at::Tensor>& mn,
-                  int64_t kind, int64_t N) {
+at::Tensor linear(const at::Tensor& x, at::TensorList w_t, at::IntArrayRef w_meta) {
   TORCH_CHECK(x.is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat, "fast linear: x [M, K] fp32 on the CPU");
   at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1);
-  W w = weight(qs, d, mn, N, K, kind);
+  const WSet w = weights(w_t, w_meta, K);
   QRows qx;
   quantize_rows(xc.data_ptr<float>(), M, K, qx);
   at::Tensor y = at::empty({M, w.N}, xc.options());
@@ -691,9 +825,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& x) {
 }
 
 // The final norm and the LM head over rows x [M, H]: (normed rows, logits [M, V]).
-std::tuple<at::Tensor, at::Tensor> head(const at::Tensor& x, const at::Tensor& norm_w, double eps, const at::Tensor& qs,
-                                        const at::Tensor& d, const std::optional<at::Tensor>& mn, int64_t kind,
-                                        int64_t N, bool want_logits) {
+std::tuple<at::Tensor, at::Tensor> head(const at::Tensor& x, const at::Tensor& norm_w, double eps, at::TensorList w_t,
+                                        at::IntArrayRef w_meta, bool want_logits) {
   TORCH_CHECK(x.is_cpu() && x.scalar_type() == at::kFloat && norm_w.is_cpu() && norm_w.scalar_type() == at::kFloat &&
                   norm_w.numel() == x.size(-1), "fast head: x [..., H] and norm_w [H], fp32 on the CPU");
   at::Tensor xc = x.contiguous();
@@ -701,7 +834,7 @@ std::tuple<at::Tensor, at::Tensor> head(const at::Tensor& x, const at::Tensor& n
   at::Tensor normed = at::empty_like(xc);
   rms_rows(xc.data_ptr<float>(), M, H, eps, norm_w.contiguous().data_ptr<float>(), normed.data_ptr<float>());
   if (!want_logits) return {normed, at::empty({0}, xc.options())};
-  W w = weight(qs, d, mn, N, H, kind);
+  const WSet w = weights(w_t, w_meta, H);
   QRows qx;
   quantize_rows(normed.data_ptr<float>(), M, H, qx);
   std::vector<int64_t> shape(xc.sizes().begin(), xc.sizes().end());
@@ -714,13 +847,10 @@ std::tuple<at::Tensor, at::Tensor> head(const at::Tensor& x, const at::Tensor& n
 // One decoder block (llama.Block.forward's maths) in the fast mode:
 //   x [B, T, H]; rot [B, T, D/2, 2] (cos, sin) per pair; mask bool [B, T, start+T] (true = may attend)
 //   or none (every slot visible); kv [2, B, Hkv, S, D] written at slots start .. start+T-1.
-at::Tensor block(const at::Tensor& x_in, const at::Tensor& qkv_qs, const at::Tensor& qkv_d,
-                 const std::optional<at::Tensor>& qkv_m, int64_t qkv_kind, int64_t qkv_n,
-                 const std::optional<at::Tensor>& s_attn, const std::optional<at::Tensor>& bqkv, const at::Tensor& o_qs,
-                 const at::Tensor& o_d, const std::optional<at::Tensor>& o_m, int64_t o_kind, int64_t o_n,
-                 const at::Tensor& gu_qs, const at::Tensor& gu_d, const std::optional<at::Tensor>& gu_m, int64_t gu_kind,
-                 int64_t gu_n, const std::optional<at::Tensor>& s_mlp, const at::Tensor& dn_qs, const at::Tensor& dn_d,
-                 const std::optional<at::Tensor>& dn_m, int64_t dn_kind, int64_t dn_n,
+at::Tensor block(const at::Tensor& x_in, at::TensorList qkv_t, at::IntArrayRef qkv_meta,
+                 const std::optional<at::Tensor>& s_attn, const std::optional<at::Tensor>& bqkv, at::TensorList o_t,
+                 at::IntArrayRef o_meta, at::TensorList gu_t, at::IntArrayRef gu_meta,
+                 const std::optional<at::Tensor>& s_mlp, at::TensorList dn_t, at::IntArrayRef dn_meta,
                  const at::Tensor& rot, const std::optional<at::Tensor>& mask, const at::Tensor& kv, int64_t start,
                  double eps, int64_t hq, int64_t hkv, int64_t D) {
   TORCH_CHECK(x_in.is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() == 3, "fast block: x [B, T, H] fp32 on the CPU");
@@ -736,10 +866,9 @@ at::Tensor block(const at::Tensor& x_in, const at::Tensor& qkv_qs, const at::Ten
               "fast block: s_attn [H] fp32");
   TORCH_CHECK(!s_mlp || (s_mlp->is_contiguous() && s_mlp->numel() == H && s_mlp->scalar_type() == at::kFloat),
               "fast block: s_mlp [H] fp32");
-  W wqkv = weight(qkv_qs, qkv_d, qkv_m, qkv_n, H, qkv_kind), wo = weight(o_qs, o_d, o_m, o_n, qsz, o_kind);
-  W wgu = weight(gu_qs, gu_d, gu_m, gu_n, H, gu_kind);
+  const WSet wqkv = weights(qkv_t, qkv_meta, H), wo = weights(o_t, o_meta, qsz), wgu = weights(gu_t, gu_meta, H);
   const int64_t inter = wgu.N / 2;
-  W wd = weight(dn_qs, dn_d, dn_m, dn_n, inter, dn_kind);
+  const WSet wd = weights(dn_t, dn_meta, inter);
   const int64_t nqkv = wqkv.N;
   TORCH_CHECK(nqkv == qsz + 2 * ksz && wo.N == H && wd.N == H, "fast block: projection shapes");
   TORCH_CHECK(!bqkv || (bqkv->is_contiguous() && bqkv->numel() == nqkv && bqkv->scalar_type() == at::kFloat),
@@ -825,23 +954,66 @@ at::Tensor block(const at::Tensor& x_in, const at::Tensor& qkv_qs, const at::Ten
   return out;
 }
 
-void set_portable(bool on) { g_portable = on; }
-bool vnni() { return FAST_VNNI != 0; }
-int64_t simd() { return FAST_VNNI ? 2 : FAST_AVX2 ? 1 : 0; }  // the vector implementation compiled in
+
+}  // namespace FAST_NS
+// FAST-BODY end
+
+namespace fastk {
+using fastk0::rms_rows;  // for model/quant.py (scalar code: the same in every copy)
+using fastk0::rope_rows;
+
+// The implementations this CPU can run: 2 = AVX-512 VNNI, 1 = AVX2, 0 = portable only.
+static int64_t best_isa() {
+  static const int64_t best = [] {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni"))
+      return (int64_t)2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) return (int64_t)1;
+    return (int64_t)0;
+  }();
+  return best;
+}
+static int64_t g_isa = -1;  // -1: the best; tests set 0 .. best_isa() to compare the implementations
+
+static int64_t isa() { return g_isa < 0 ? best_isa() : g_isa; }
+
+#define FAST_DISPATCH(fn, ...) \
+  (isa() == 2 ? fastk2::fn(__VA_ARGS__) : isa() == 1 ? fastk1::fn(__VA_ARGS__) : fastk0::fn(__VA_ARGS__))
+
+at::Tensor linear(const at::Tensor& x, at::TensorList w, at::IntArrayRef meta) { return FAST_DISPATCH(linear, x, w, meta); }
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& x) { return FAST_DISPATCH(quantize, x); }
+std::tuple<at::Tensor, at::Tensor> head(const at::Tensor& x, const at::Tensor& norm_w, double eps, at::TensorList w,
+                                        at::IntArrayRef meta, bool want_logits) {
+  return FAST_DISPATCH(head, x, norm_w, eps, w, meta, want_logits);
+}
+at::Tensor block(const at::Tensor& x, at::TensorList qkv, at::IntArrayRef qkv_meta, const std::optional<at::Tensor>& s_attn,
+                 const std::optional<at::Tensor>& bqkv, at::TensorList o, at::IntArrayRef o_meta, at::TensorList gu,
+                 at::IntArrayRef gu_meta, const std::optional<at::Tensor>& s_mlp, at::TensorList dn,
+                 at::IntArrayRef dn_meta, const at::Tensor& rot, const std::optional<at::Tensor>& mask,
+                 const at::Tensor& kv, int64_t start, double eps, int64_t hq, int64_t hkv, int64_t D) {
+  return FAST_DISPATCH(block, x, qkv, qkv_meta, s_attn, bqkv, o, o_meta, gu, gu_meta, s_mlp, dn, dn_meta, rot, mask, kv,
+                       start, eps, hq, hkv, D);
+}
+void set_isa(int64_t which) {
+  TORCH_CHECK(which >= -1 && which <= best_isa(), "fast_set_isa: -1 (the best) or 0 .. ", best_isa(), " on this CPU");
+  g_isa = which;
+}
+void set_portable(bool on) { g_isa = on ? 0 : -1; }
+int64_t current_isa() { return isa(); }
 
 }  // namespace fastk
 
 TORCH_LIBRARY_FRAGMENT(specdraft_quant, lib) {
-  lib.def("fast_linear(Tensor x, Tensor qs, Tensor d, Tensor? m, int kind, int n) -> Tensor", &fastk::linear);
+  lib.def("fast_linear(Tensor x, Tensor[] w, int[] meta) -> Tensor", &fastk::linear);
   lib.def("fast_quantize(Tensor x) -> (Tensor, Tensor, Tensor)", &fastk::quantize);
-  lib.def("fast_head(Tensor x, Tensor norm_w, float eps, Tensor qs, Tensor d, Tensor? m, int kind, int n, "
-          "bool want_logits) -> (Tensor, Tensor)", &fastk::head);
-  lib.def("fast_block(Tensor x, Tensor qkv_qs, Tensor qkv_d, Tensor? qkv_m, int qkv_kind, int qkv_n, Tensor? s_attn, "
-          "Tensor? bqkv, Tensor o_qs, Tensor o_d, Tensor? o_m, int o_kind, int o_n, Tensor gu_qs, Tensor gu_d, "
-          "Tensor? gu_m, int gu_kind, int gu_n, Tensor? s_mlp, Tensor dn_qs, Tensor dn_d, Tensor? dn_m, int dn_kind, "
-          "int dn_n, Tensor rot, Tensor? mask, Tensor(a!) kv, int start, float eps, int hq, int hkv, int d) -> Tensor",
-          &fastk::block);
+  lib.def("fast_head(Tensor x, Tensor norm_w, float eps, Tensor[] w, int[] meta, bool want_logits) -> (Tensor, Tensor)",
+          &fastk::head);
+  lib.def("fast_block(Tensor x, Tensor[] qkv, int[] qkv_meta, Tensor? s_attn, Tensor? bqkv, Tensor[] o, int[] o_meta, "
+          "Tensor[] gu, int[] gu_meta, Tensor? s_mlp, Tensor[] dn, int[] dn_meta, Tensor rot, Tensor? mask, "
+          "Tensor(a!) kv, int start, float eps, int hq, int hkv, int d) -> Tensor", &fastk::block);
+  lib.def("fast_set_isa(int which) -> ()", &fastk::set_isa);
   lib.def("fast_set_portable(bool on) -> ()", &fastk::set_portable);
-  lib.def("fast_vnni() -> bool", &fastk::vnni);
-  lib.def("fast_simd() -> int", &fastk::simd);
+  lib.def("fast_isa() -> int", &fastk::current_isa);
+  lib.def("fast_best_isa() -> int", &fastk::best_isa);
 }

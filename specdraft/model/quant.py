@@ -20,7 +20,9 @@ compiler, another dtype or device) falls back to the fp32 path with one warning;
 
 from __future__ import annotations
 
+import hashlib
 import os
+import platform
 import shutil
 import sys
 import warnings
@@ -337,6 +339,36 @@ TORCH_LIBRARY(specdraft_quant, lib) {
 
 _STATE: dict[str, object] = {}
 
+# fast.cpp's body is compiled once per instruction set, each copy in its own namespace (see its header)
+_FAST_ISAS = ((0, ""), (1, "avx2,f16c"), (2, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c"))
+
+
+def fast_source() -> str:
+    """fast.cpp with its body repeated for the portable, AVX2 and AVX-512 VNNI implementations."""
+    text = (Path(__file__).parent / "fast.cpp").read_text()
+    head, rest = text.split("// FAST-BODY begin\n", 1)
+    body, tail = rest.split("// FAST-BODY end\n", 1)
+    copies = []
+    for isa, target in _FAST_ISAS:
+        pragma = f'#pragma GCC push_options\n#pragma GCC target("{target}")\n' if target else ""
+        pop = "#pragma GCC pop_options\n" if target else ""
+        copies.append(f"{pragma}#define FAST_ISA {isa}\n#define FAST_NS fastk{isa}\n{body}#undef FAST_NS\n#undef FAST_ISA\n{pop}")
+    return head + "".join(copies) + tail
+
+
+def _extension_name() -> str:
+    """The build's name, keyed by this CPU's instruction-set flags: the cache (-march=native) is never
+    loaded on a CPU it was not built for."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = " ".join(sorted(line.split(":", 1)[1].split()))
+                break
+    except OSError:
+        pass
+    return "specdraft_quant_" + hashlib.sha256((platform.machine() + flags).encode()).hexdigest()[:10]
+
 
 def kernel_available() -> bool:
     """Compile (once per machine, cached) and load the kernel; False (with one warning) if impossible."""
@@ -350,9 +382,8 @@ def kernel_available() -> bool:
             if shutil.which("ninja") is None:  # pip puts ninja next to this interpreter (an unactivated venv)
                 os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 
-            fast_source = (Path(__file__).parent / "fast.cpp").read_text()  # the fast mode's kernels (model/fast.py)
-            load_inline("specdraft_quant", cpp_sources=[fast_source, _SOURCE], is_python_module=False, verbose=False,
-                        extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"])
+            load_inline(_extension_name(), cpp_sources=[fast_source(), _SOURCE], is_python_module=False,
+                        verbose=False, extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"])
             ok = hasattr(torch.ops.specdraft_quant, "qlinear")
         except Exception as e:  # no compiler / ninja / headers: the fp32 path still works
             warnings.warn(f"specdraft: quantized CPU kernel unavailable, using fp32 weights ({type(e).__name__}: {e})",

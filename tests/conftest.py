@@ -43,6 +43,9 @@ def restore_torch_globals():
 
 
 TINY = {
+    "llama256": dict(model_type="llama", vocab_size=96, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                     num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256, rope_theta=10000.0,
+                     tie_word_embeddings=False, eos_token_id=1, bos_token_id=0),  # rows of 256: the K-quants fit
     "llama": dict(model_type="llama", vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0,
                   tie_word_embeddings=False, eos_token_id=1, bos_token_id=0),

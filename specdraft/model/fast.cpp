@@ -513,14 +513,25 @@ static inline void tile_upto(int64_t n, const W& w, int64_t g, int64_t lo, const
 
 // Groups gs .. ge-1 of w against all M rows.  The activation rows go in chunks of 64 (they stay in L1/L2);
 // within a chunk each group's weights are read from memory once and reused from L1 by every tile of rows.
+static inline void prefetch_group(const W& w, int64_t g, int64_t bytes) {
+  const char* q = (const char*)(w.qs + g * w.NB * bytes);
+  for (int64_t o = 0; o < w.NB * bytes; o += 64) _mm_prefetch(q + o, _MM_HINT_T0);
+  const int64_t nd = fmt_super(w.kind) ? w.NB / 8 : w.NB;  // the scales: 32 bytes a (group, block or super-block)
+  for (int64_t o = 0; o < nd * 32; o += 64) {
+    _mm_prefetch((const char*)(w.d + g * nd * 16) + o, _MM_HINT_T0);
+    if (w.m) _mm_prefetch((const char*)(w.m + g * nd * 16) + o, _MM_HINT_T0);
+  }
+  if (w.sc)
+    for (int64_t o = 0; o < w.NB * 32; o += 64) _mm_prefetch((const char*)(w.sc + g * w.NB * 32) + o, _MM_HINT_T0);
+}
+
 template <int64_t KIND>
 static void groups(const W& w, int64_t gs, int64_t ge, const QRows& x, int64_t M, float* y, int64_t ldy) {
   for (int64_t r0 = 0; r0 < M; r0 += 64) {
     const int64_t r1 = std::min(M, r0 + 64);
     for (int64_t g = gs; g < ge; ++g) {
       const int64_t nv = std::min<int64_t>(16, w.N - 16 * g);
-      if (g + 1 < ge)  // the next group's first blocks, while this one computes
-        for (int64_t o = 0; o < 4 * 64; o += 64) _mm_prefetch((const char*)(w.qs + (g + 1) * w.NB * fmt_bytes(KIND) + o), _MM_HINT_T0);
+      if (r0 == 0 && g + 1 < ge) prefetch_group(w, g + 1, fmt_bytes(KIND));  // the next group's weights, while this one computes
       for (int64_t lo = 0; lo < nv; lo += Isa::L)
         for (int64_t r = r0; r < r1; r += Isa::T) tile_upto<KIND, Isa::T>(std::min<int64_t>(Isa::T, r1 - r), w, g, lo, x, r, y, ldy, nv);
     }

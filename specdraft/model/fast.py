@@ -33,14 +33,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from specdraft.model.blocks import FORMATS, KINDS, OFFSET, SUPER, Decoded, decode  # noqa: F401 (re-exported)
 from specdraft.model.quant import RawQuant
 
-FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # the kernel's kind numbers, in order
-KINDS = {name: i for i, name in enumerate(FORMATS)}
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
-SUPER = {"Q4_K", "Q5_K", "Q6_K"}  # 256 inputs a block (8 blocks of 32 for the kernel)
-OFFSET = {"Q4_0": 8, "Q5_0": 16, "Q6_K": 32}  # w = scale * (u - offset)
-HAS_MIN = {"Q4_1", "Q5_1", "Q4_K", "Q5_K"}
 ISAS = ("portable", "avx2", "avx512_vnni")  # fast_isa() numbers
 DEFAULT_PRECISION = None  # fast where it can run (the CPU, float32, a supported architecture), else exact
 PRECISIONS = {  # --precision: what each mode promises
@@ -54,124 +49,6 @@ PRECISIONS = {  # --precision: what each mode promises
 def isa() -> str:
     """The kernel implementation in use on this CPU: "avx512_vnni", "avx2" or "portable"."""
     return ISAS[int(torch.ops.specdraft_quant.fast_isa())]
-
-
-def block_inputs(kind: str) -> int:
-    return 256 if kind in SUPER else 32
-
-
-@dataclass
-class Decoded:
-    """A GGUF matrix's blocks taken apart (written from ggml's block layouts), per 32-input block b:
-    ``codes`` [rows, cols] uint8 (the unsigned u; Q8_0: int8 c); ``d`` fp16 [rows, NB] the block scale, or
-    [rows, NB/8] the super-block's (K-quants); ``m`` like d: the block minimum (Q4_1, Q5_1) or the
-    super-block's dmin (Q4_K, Q5_K), else None; ``sc`` [rows, NB, 2]: Q4_K / Q5_K uint8 (sc, mn) of
-    block b, Q6_K int8 (sc_0, sc_1) of its two halves, else None."""
-
-    kind: str
-    codes: np.ndarray
-    d: np.ndarray
-    m: np.ndarray | None
-    sc: np.ndarray | None
-
-    @property
-    def rows(self) -> int:
-        return self.codes.shape[0]
-
-    @property
-    def cols(self) -> int:
-        return self.codes.shape[1]
-
-    def block_params(self) -> tuple[Tensor, Tensor | None]:
-        """Per (row, 32-block) fp32: the scale dw and the additive minimum mw (None where the format
-        has none), as the kernel forms them: Q4_K / Q5_K dw = d * float(sc), mw = -(dmin * float(mn))."""
-        nb = self.cols // 32
-        d = torch.from_numpy(self.d.astype(np.float32))
-        m = None if self.m is None else torch.from_numpy(self.m.astype(np.float32))
-        if self.kind in ("Q4_K", "Q5_K"):
-            sc = torch.from_numpy(self.sc.astype(np.float32))
-            d8, m8 = d.repeat_interleave(8, dim=1), m.repeat_interleave(8, dim=1)
-            return d8 * sc[..., 0], -(m8 * sc[..., 1])
-        if self.kind == "Q6_K":
-            return d.repeat_interleave(8, dim=1), None
-        assert d.shape[1] == nb
-        return d, m
-
-    def dequantize(self) -> Tensor:
-        """fp32 [rows, cols], in the formats' own arithmetic (equal to gguf-py's dequantizer: tested)."""
-        r, k = self.rows, self.cols
-        u = torch.from_numpy(self.codes.astype(np.float32)).view(r, k // 32, 32)
-        if self.kind == "Q6_K":
-            d = torch.from_numpy(self.d.astype(np.float32)).repeat_interleave(16, dim=1)  # per 16 inputs
-            scale = d * torch.from_numpy(self.sc.astype(np.float32)).reshape(r, -1)
-            return (scale.view(r, -1, 1) * (u.view(r, -1, 16) - 32)).reshape(r, k)
-        dw, mw = self.block_params()
-        if self.kind in OFFSET:
-            u = u - OFFSET[self.kind]
-        w = dw[..., None] * u
-        if mw is not None:
-            w = w + mw[..., None]
-        return w.reshape(r, k)
-
-
-def _f16(b: np.ndarray) -> np.ndarray:  # [..., 2] bytes -> fp16 [...]
-    return np.ascontiguousarray(b).view(np.float16)[..., 0]
-
-
-def _nibbles(qs: np.ndarray) -> np.ndarray:  # [..., n] bytes -> [..., 2n]: the low nibbles, then the high
-    return np.concatenate([qs & 15, qs >> 4], axis=-1)
-
-
-def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K / Q5_K: the 12 scale bytes of a super-block [..., 12] -> 6-bit (sc, mn) [..., 8] each."""
-    a, b, c = s[..., 0:4], s[..., 4:8], s[..., 8:12]
-    sc = np.concatenate([a & 63, (c & 15) | ((a >> 6) << 4)], axis=-1)
-    mn = np.concatenate([b & 63, (c >> 4) | ((b >> 6) << 4)], axis=-1)
-    return sc, mn
-
-
-def decode(raw: RawQuant) -> Decoded:
-    """Take a GGUF matrix's blocks apart (see ``Decoded``)."""
-    kind, rows, cols = raw.kind, raw.rows, raw.cols
-    if kind not in KINDS:
-        raise ValueError(f"the fast mode reads {', '.join(FORMATS)} blocks, not {kind}")
-    per = block_inputs(kind)
-    if cols % per or raw.data.shape[1] != cols // per * BLOCK_BYTES[kind]:
-        raise ValueError(f"{kind}: a row of {cols} inputs is not {cols // per} blocks of {BLOCK_BYTES[kind]} bytes")
-    b = raw.data.reshape(rows, cols // per, BLOCK_BYTES[kind])
-    m = sc = None
-    if kind in ("Q4_0", "Q4_1"):
-        o = 2 if kind == "Q4_0" else 4
-        d, m = _f16(b[..., 0:2]), None if kind == "Q4_0" else _f16(b[..., 2:4])
-        codes = _nibbles(b[..., o:o + 16])
-    elif kind in ("Q5_0", "Q5_1"):
-        o = 2 if kind == "Q5_0" else 4
-        d, m = _f16(b[..., 0:2]), None if kind == "Q5_0" else _f16(b[..., 2:4])
-        qh = np.ascontiguousarray(b[..., o:o + 4]).view("<u4")  # [rows, nb, 1]: bit e = bit 4 of input e
-        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
-        codes = _nibbles(b[..., o + 4:o + 20]) | (high << 4)
-    elif kind == "Q8_0":
-        d, codes = _f16(b[..., 0:2]), b[..., 2:34].view(np.int8)
-    elif kind in ("Q4_K", "Q5_K"):
-        d, m = _f16(b[..., 0:2]), _f16(b[..., 2:4])
-        s, mn = _k_scales(b[..., 4:16])
-        sc = np.stack([s, mn], axis=-1).reshape(rows, -1, 2)  # [rows, NB, 2]
-        o = 16 if kind == "Q4_K" else 48
-        qs = b[..., o:o + 128].reshape(rows, -1, 4, 32)  # chunk i: blocks 2i (low nibbles) and 2i+1 (high)
-        codes = np.stack([qs & 15, qs >> 4], axis=3).reshape(rows, -1, 256)
-        if kind == "Q5_K":  # bit 4 of input 32j + l: bit j of qh[l]
-            qh = b[..., 16:48]
-            high = (qh[:, :, None, :] >> np.arange(8, dtype=np.uint8)[None, None, :, None]) & 1
-            codes = codes | (high.reshape(rows, -1, 256) << 4)
-    else:  # Q6_K: ql[128], qh[64], int8 scales[16] (one per 16 inputs), fp16 d
-        ql, qh = b[..., 0:128].reshape(rows, -1, 2, 64), b[..., 128:192].reshape(rows, -1, 2, 32)
-        low = np.stack([ql & 15, ql >> 4], axis=3).reshape(rows, -1, 2, 4, 32)  # half, quarter, l
-        high = (qh[:, :, :, None, :] >> np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, None, :, None]) & 3
-        codes = (low | (high << 4)).reshape(rows, -1, 256)
-        d = _f16(b[..., 208:210])
-        sc = b[..., 192:208].view(np.int8).reshape(rows, -1, 2)  # [rows, NB, 2]: block b's halves
-    return Decoded(kind, np.ascontiguousarray(codes.reshape(rows, cols)), np.ascontiguousarray(d),
-                   None if m is None else np.ascontiguousarray(m), None if sc is None else np.ascontiguousarray(sc))
 
 
 def _per_group(a: np.ndarray, g: int) -> np.ndarray:  # [16g, nb, ...] -> [g, nb, 16, ...]

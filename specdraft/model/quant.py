@@ -383,7 +383,8 @@ def kernel_available() -> bool:
                 os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 
             load_inline(_extension_name(), cpp_sources=[fast_source(), _SOURCE], is_python_module=False,
-                        verbose=False, extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"])
+                        verbose=False, extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fsched-pressure",
+                                                   "-fschedule-insns"])
             ok = hasattr(torch.ops.specdraft_quant, "qlinear")
         except Exception as e:  # no compiler / ninja / headers: the fp32 path still works
             warnings.warn(f"specdraft: quantized CPU kernel unavailable, using fp32 weights ({type(e).__name__}: {e})",

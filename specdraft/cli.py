@@ -27,7 +27,7 @@ from specdraft.drafters.registry import DRAFTERS, drafters_table
 from specdraft.engine import Engine
 from specdraft.errors import SpecdraftError
 from specdraft.generate import GenerateConfig
-from specdraft.model.fast import DEFAULT_PRECISION, PRECISIONS
+from specdraft.model.fast import DEFAULT_PRECISION, PRECISIONS, kernel_info
 from specdraft.nn.phrase import FEATURE_LAYER
 from specdraft.server.queue import RequestQueue
 from specdraft.train.block import BlockTrainConfig, train_block
@@ -120,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="no chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     g.add_argument("--quiet", action="store_true", help="no stats line on stderr")
+    g.add_argument("--verbose", action="store_true",
+                   help="also say on stderr what runs the passes (precision, kernel instruction set, block formats)")
 
     b = sub.add_parser("bench", help="benchmark against our plain decoding, llama.cpp and HF generate() on the same prompts")
     b.add_argument("--drafter", action="append", default=[], help="drafter to run (repeatable): " + DRAFTER_HELP)
@@ -354,6 +356,10 @@ def cmd_generate(args) -> None:
         raise SpecdraftError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
     engine = _engine(args, args.drafter, args.budget)
     drafter = engine.drafter
+    if args.verbose:
+        k = kernel_info(engine.target.model)
+        print(f"[target] {engine.target.name}, precision {k['precision']}"
+              + (f", kernel {k['isa']}, blocks {k['formats']}" if "isa" in k else ""), file=sys.stderr)
     ids = engine.target.encode_prompt(prompt, raw=args.raw)
     cfg = GenerateConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
                          stop=args.stop, budget=args.budget)

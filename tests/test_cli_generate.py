@@ -52,3 +52,13 @@ def test_max_new_tokens_respected_with_drafter(default_target):
     for n in (1, 3, 17):
         r = generate(default_target, ids, NgramDrafter(), GenerateConfig(max_new_tokens=n))
         assert len(r.token_ids) <= n
+
+
+def test_generate_verbose_says_what_runs_the_passes(capsys, default_target):
+    from specdraft.model import fast
+
+    rc = cli.main(["generate", "Name a colour.", "--max-new-tokens", "4", "--drafter", "none", "--verbose"])
+    err = capsys.readouterr().err
+    assert rc == 0
+    assert f"precision fast, kernel {fast.isa()}, blocks {{'Q4_1': " in err  # the default GGUF: Q4_1 and Q8_0 blocks
+    assert "'Q8_0': " in err

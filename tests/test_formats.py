@@ -86,3 +86,24 @@ def test_an_unreadable_block_type_falls_back_to_exact_with_one_warning(tiny_hf_w
     assert model.precision == "exact"
     said = [str(c.message) for c in caught if "fast precision mode is unavailable" in str(c.message)]
     assert len(said) == 1 and "mlp.down_proj" in said[0] and "Q2_K" in said[0], said
+
+
+def test_a_trained_drafter_on_another_quantization_of_its_target(default_target):
+    """The shipped drafters were trained on the default Q4_1 file; the same model requantized (another
+    weight hash) refuses them unless asked with any_target=1 (one warning), and then stays lossless."""
+    import copy
+
+    from specdraft.drafters import make_drafter
+    from specdraft.errors import SpecdraftError
+
+    other = copy.copy(default_target)
+    other.weight_hash = "0" * 64
+    with pytest.raises(SpecdraftError, match="train a drafter for this target"):
+        make_drafter("phrase", other)
+    with pytest.warns(UserWarning, match="any_target=1"):
+        d = make_drafter("phrase@any_target=1", other)
+    with pytest.raises(SpecdraftError, match="any_target must be 0 or 1"):
+        make_drafter("phrase@any_target=yes", other)
+    ids = other.encode_prompt("What is 12 * 7?")
+    cfg = GenerateConfig(max_new_tokens=24)
+    assert generate(other, ids, d, cfg).token_ids == generate(other, ids, None, cfg).token_ids

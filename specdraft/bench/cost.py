@@ -14,6 +14,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from specdraft.model.fast import cpu_name, kernel_info
 from specdraft.tree import Tree
 
 PEER_PASSES = [1, 2, 4, 8, 16, 32, 64]  # llama-bench's pp N beside ours (--llama-cpp)
@@ -41,7 +42,8 @@ def measure_cost_curve(target, max_n: int = 64, context: int = 256, repeats: int
     return {"target": target.name, "target_hash": target.weight_hash, "device": target.device.type,
             "threads": torch.get_num_threads(), "context": context, "n": ns, "ms": ms,
             "ratio": [m / ms[0] for m in ms], "packed_weights": bool(target.model.lm_head.packs),
-            "quantized_rows": target.model.quantized_rows, "precision": target.model.precision}
+            "quantized_rows": target.model.quantized_rows, "precision": target.model.precision,
+            "kernel": kernel_info(target.model), "cpu": cpu_name()}
 
 
 def measure_prefill(target, lengths=PREFILL_LENGTHS, repeats: int = 3) -> dict:

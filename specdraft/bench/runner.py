@@ -34,7 +34,7 @@ from specdraft.drafters import make_drafter
 from specdraft.engine import Engine
 from specdraft.errors import SpecdraftError
 from specdraft.generate import GenerateConfig
-from specdraft.model.fast import DEFAULT_PRECISION
+from specdraft.model.fast import DEFAULT_PRECISION, cpu_name, kernel_info
 from specdraft.model.load import load_weights
 from specdraft.target import Target
 from specdraft.verify import Sampling
@@ -138,6 +138,7 @@ def run_bench(
         results: dict = {"config": {"drafters": drafters, "n": n, "max_new_tokens": max_new_tokens,
                                     "target": target.name, "target_hash": target.weight_hash, "device": device,
                                     "precision": target.precision, "budget": budget, "threads": threads,
+                                    "kernel": kernel_info(target.model), "cpu": cpu_name(),
                                     "tie_gap": TIE_GAP, "baseline": base, "target_spec": str(target_spec or "default"),
                                     "hf": hf_model is not None, "hf_lookup": hf_lookup,
                                     "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p,

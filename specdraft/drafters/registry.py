@@ -5,7 +5,9 @@ reads the checkpoint's kind from its manifest), parses the options into the spec
 dataclass (which validates them), loads the shipped weights or the checkpoint through
 ``nn.checkpoint.load_draft_model`` (target-fit checks included), builds the drafter, wraps it
 with prompt lookup when ``ngram=N`` asks for it, and sets its node budget by the one budget
-policy (``drafters.budget.default_budget``).  ``NAME@budget=N`` fixes the budget for any drafter.
+policy (``drafters.budget.default_budget``).  ``NAME@budget=N`` fixes the budget for any drafter;
+``NAME@any_target=1`` loads a trained drafter made for another target of the same shape (e.g. the
+default model requantized to Q4_K_M: drafting stays lossless, acceptance may differ).
 
 Adding a drafter: one module with the drafter, its options dataclass and a builder
 ``(target, checkpoint, options, name) -> Drafter``, plus one ``DrafterSpec`` row below.
@@ -158,6 +160,9 @@ def make_drafter(spec: str, target=None, budget: int | None = None) -> Drafter:
         if not value.isdigit():
             raise SpecdraftError(f"drafter option budget must be an integer >= 0 (got {value!r})")
         budget = int(value)
+    any_target = raw.pop("any_target", "0")  # NAME@any_target=1: a trained drafter on another quantization
+    if any_target not in ("0", "1"):
+        raise SpecdraftError(f"drafter option any_target must be 0 or 1 (got {any_target!r})")
     path, shown = None, name
     if name.endswith(".safetensors") or "/" in name:
         path = Path(name)
@@ -181,7 +186,7 @@ def make_drafter(spec: str, target=None, budget: int | None = None) -> Drafter:
             if not path.is_file():
                 raise SpecdraftError(f"the {name} drafter's weights ({path}) are not in this install yet; train them "
                                      f"with `{entry.train.format(path=path)}` or pass a checkpoint path as --drafter")
-        ckpt = load_draft_model(target, path, entry.kind)
+        ckpt = load_draft_model(target, path, entry.kind, any_target=any_target == "1")
     drafter = entry.build(target, ckpt, options, name if name in REGISTRY else None)  # a checkpoint names itself
     if entry.lookup and options.ngram > 0:
         drafter = WithNgram(drafter, options.ngram)

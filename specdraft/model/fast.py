@@ -51,6 +51,28 @@ def isa() -> str:
     return ISAS[int(torch.ops.specdraft_quant.fast_isa())]
 
 
+def cpu_name() -> str:
+    """This CPU's model name (Linux), for benchmark JSON: figures depend on it."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def kernel_info(model) -> dict:
+    """What runs a model's passes, for benchmark JSON and ``--verbose``: the precision mode, and in the
+    fast mode the kernel's instruction set and the block formats it reads (matrices of each)."""
+    info = {"precision": model.precision}
+    if model.precision == "fast":
+        info.update(isa=isa(), formats=model.fast_formats())
+    return info
+
+
 def _per_group(a: np.ndarray, g: int) -> np.ndarray:  # [16g, nb, ...] -> [g, nb, 16, ...]
     return a.reshape(g, 16, *a.shape[1:]).swapaxes(1, 2)
 

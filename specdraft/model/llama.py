@@ -354,6 +354,17 @@ class Transformer(nn.Module):
         self._rot_table = rotation_table(cfg.max_position, self.inv_freq)
         return ""
 
+    def fast_formats(self) -> dict[str, int]:
+        """How many matrices of each block format the fast mode reads ({} when it is off)."""
+        out: dict[str, int] = {}
+        if self._fast_head is None:
+            return out
+        metas = [m for b in self.blocks for m in (b.fast[1], b.fast[5], b.fast[7], b.fast[10])]
+        for meta in metas + [self._fast_head.args()[1]]:
+            for kind in meta[0::2]:
+                out[FAST_FORMATS[kind]] = out.get(FAST_FORMATS[kind], 0) + 1
+        return out
+
     @property
     def fast_available(self) -> bool:
         """Whether this model can run in the fast precision mode (``model.fast``)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,10 +97,15 @@ class DraftCheckpoint:
     vocab: PhraseVocab | None = None  # phrase only: the draft vocabulary the head scores
 
 
-def load_draft_model(target, path: str | Path, kind: str) -> DraftCheckpoint:
+def load_draft_model(target, path: str | Path, kind: str, any_target: bool = False) -> DraftCheckpoint:
     """The trained drafter network of ``kind`` in checkpoint ``path``, built for ``target`` (its
-    frozen embeddings and LM-head rows shared), with the target-fit checks."""
-    tensors, manifest = load_checkpoint(path, target_hash=target.weight_hash, kind=kind)
+    frozen embeddings and LM-head rows shared), with the target-fit checks.  ``any_target``: also for
+    another target than the one it was trained for (its shapes must still fit; one warning)."""
+    tensors, manifest = load_checkpoint(path, target_hash=None if any_target else target.weight_hash, kind=kind)
+    if any_target and manifest.get("target_hash") != target.weight_hash:
+        warnings.warn(f"specdraft: {path} was trained for {manifest.get('target_name')!r} "
+                      f"(weights {str(manifest.get('target_hash'))[:12]}), used on {target.name!r} as asked "
+                      "(any_target=1): lossless, but its acceptance was measured on the other weights", stacklevel=2)
     tm = target.model
     try:
         if kind == "phrase":

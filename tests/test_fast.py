@@ -16,7 +16,7 @@ from gguf.quants import dequantize, quantize
 
 from specdraft.errors import SpecdraftError
 from specdraft.generate import GenerateConfig, generate
-from specdraft.model import fast, quant
+from specdraft.model import blocks, fast, quant
 from specdraft.model.load import build_model, load_hf_folder
 from specdraft.target import Target
 from specdraft.tree import Tree
@@ -35,10 +35,10 @@ def _random_raw(kind: str, n: int, k: int, seed: int) -> quant.RawQuant:
     different scales; the K-quants (gguf-py cannot quantize them) as random bytes with sane fp16 scales,
     so every code, 6-bit scale and minimum appears."""
     rng = np.random.default_rng(seed)
-    if kind not in fast.SUPER:
+    if kind not in blocks.SUPER:
         w = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0, 2, (n, 1)).astype(np.float32)
         return quant.RawQuant(kind, k, quantize(w, GGMLQuantizationType[kind]))
-    data = rng.integers(0, 256, (n, k // 256, fast.BLOCK_BYTES[kind]), dtype=np.uint8)
+    data = rng.integers(0, 256, (n, k // 256, blocks.BLOCK_BYTES[kind]), dtype=np.uint8)
 
     def f16(a):
         return np.frombuffer(a.astype(np.float16).tobytes(), np.uint8).reshape(*a.shape, 2)
@@ -54,7 +54,7 @@ def test_decoded_blocks_equal_gguf_py_dequantizer(kind):
     """The layouts as read here (``fast.decode``) rebuild exactly the weights gguf-py's own reader does."""
     raw = _random_raw(kind, 37, 512, seed=11)
     ref = np.asarray(dequantize(raw.data, GGMLQuantizationType[kind]), dtype=np.float32).reshape(37, 512)
-    assert np.array_equal(fast.decode(raw).dequantize().numpy(), ref)
+    assert np.array_equal(blocks.decode(raw).dequantize().numpy(), ref)
 
 
 @pytest.mark.parametrize("kind", fast.FORMATS)
@@ -63,7 +63,7 @@ def test_kernel_equals_its_reference_bit_for_bit(kind, n, k):
     assert quant.kernel_available()
     raw = _random_raw(kind, n, k, seed=n + k)
     fw = fast.FastWeight.from_raw(raw)
-    dense = fast.decode(raw).dequantize()
+    dense = blocks.decode(raw).dequantize()
     g = torch.Generator().manual_seed(1)
     for m in (1, 3, 8, 13, 64, 70):  # 70: past one 64-row chunk of the kernel
         x = torch.randn(m, k, generator=g) * 4

@@ -286,13 +286,15 @@ struct Isa {
     return _mm512_and_si512(v, m);
   }
   static B bor(B a, B b) { return _mm512_or_si512(a, b); }
-  template <int CMAX> static void step(Acc& a, B w, int32_t x4, int j) {
-    a.s = _mm512_dpbusd_epi32(j == 0 ? _mm512_setzero_si512() : a.s, w, _mm512_set1_epi32(x4));
+  using X = __m512i;  // 4 activation bytes in every lane
+  static X bcast(int32_t x4) { return _mm512_set1_epi32(x4); }
+  template <int CMAX> static void step(Acc& a, B w, X x, int j) {
+    a.s = _mm512_dpbusd_epi32(j == 0 ? _mm512_setzero_si512() : a.s, w, x);
   }
   static I done(const Acc& a) { return a.s; }
   using SB = B;  // the code + 128, unsigned
   static SB prep_s(B w) { return _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80)); }
-  static void step_s(Acc& a, SB w, int32_t x4, int j) { step<255>(a, w, x4, j); }
+  static void step_s(Acc& a, SB w, X x, int j) { step<255>(a, w, x, j); }
   static I done_s(const Acc& a, int32_t sq) { return _mm512_add_epi32(a.s, _mm512_set1_epi32(-128 * sq)); }
   static I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
   static I imul(I a, I b) { return _mm512_mullo_epi32(a, b); }
@@ -326,9 +328,11 @@ struct Isa {
     return _mm256_and_si256(v, m);
   }
   static B bor(B a, B b) { return _mm256_or_si256(a, b); }
-  template <int CMAX> static void step(Acc& a, B w, int32_t x4, int j) {
+  using X = __m256i;
+  static X bcast(int32_t x4) { return _mm256_set1_epi32(x4); }
+  template <int CMAX> static void step(Acc& a, B w, X x, int j) {
     constexpr int P = 32767 / (2 * CMAX * 127);  // quads whose pairs fit in int16
-    const I prod = _mm256_maddubs_epi16(w, _mm256_set1_epi32(x4));
+    const I prod = _mm256_maddubs_epi16(w, x);
     a.p = j % P == 0 ? prod : _mm256_add_epi16(a.p, prod);
     if (j % P == P - 1) {
       const I t = _mm256_madd_epi16(a.p, _mm256_set1_epi16(1));
@@ -340,8 +344,8 @@ struct Isa {
   // 2 * 128 * 127 = 32512, so each quad goes to int32 on its own.
   struct SB { B abs, sgn; };
   static SB prep_s(B w) { return {_mm256_abs_epi8(w), w}; }
-  static void step_s(Acc& a, const SB& w, int32_t x4, int j) {
-    const I t = _mm256_madd_epi16(_mm256_maddubs_epi16(w.abs, _mm256_sign_epi8(_mm256_set1_epi32(x4), w.sgn)),
+  static void step_s(Acc& a, const SB& w, X x, int j) {
+    const I t = _mm256_madd_epi16(_mm256_maddubs_epi16(w.abs, _mm256_sign_epi8(x, w.sgn)),
                                   _mm256_set1_epi16(1));
     a.s = j == 0 ? t : _mm256_add_epi32(a.s, t);
   }
@@ -381,7 +385,9 @@ struct Isa {  // the portable reference: plain loops over 8 lanes, the same inte
     return b;
   }
   static B bor(B a, const B& b) { for (int i = 0; i < 32; ++i) a.v[i] |= b.v[i]; return a; }
-  template <int CMAX> static void step(Acc& a, const B& w, int32_t x4, int j) {
+  using X = int32_t;
+  static X bcast(int32_t x4) { return x4; }
+  template <int CMAX> static void step(Acc& a, const B& w, X x4, int j) {
     int8_t x[4];
     std::memcpy(x, &x4, 4);
     for (int l = 0; l < 8; ++l) {
@@ -393,7 +399,7 @@ struct Isa {  // the portable reference: plain loops over 8 lanes, the same inte
   static I done(const Acc& a) { return a.s; }
   using SB = B;
   static SB prep_s(const B& w) { return w; }
-  static void step_s(Acc& a, const B& w, int32_t x4, int j) {
+  static void step_s(Acc& a, const B& w, X x4, int j) {
     int8_t x[4];
     std::memcpy(x, &x4, 4);
     for (int l = 0; l < 8; ++l) {
@@ -433,86 +439,99 @@ static inline typename Isa::B quad(const uint8_t* blk) {
   return nib;
 }
 
-template <int64_t KIND, int T, int J>
-static inline void quads(const uint8_t* blk, const int8_t* const* xq, typename Isa::Acc* a, typename Isa::Acc* a2) {
+// The quads of one block for H slices (H x L rows) x T activation rows: each quad vector decoded once,
+// each activation quad broadcast once.
+template <int64_t KIND, int H, int T, int J>
+static inline void quads(const uint8_t* blk, const int8_t* const* xq, typename Isa::Acc (*a)[T],
+                         typename Isa::Acc (*a2)[T]) {
   if constexpr (J < 8) {
-    const typename Isa::B w = quad<KIND, J>(blk);
-    if constexpr (KIND == Q8_0) {
-      const typename Isa::SB sw = Isa::prep_s(w);
-      for (int t = 0; t < T; ++t) Isa::step_s(a[t], sw, ld32(xq[t] + 4 * J), J);
-    } else if constexpr (KIND == Q6_K) {  // the two 16-input halves apart: each has its own scale
-      for (int t = 0; t < T; ++t) Isa::template step<63>(J < 4 ? a[t] : a2[t], w, ld32(xq[t] + 4 * J), J % 4);
-    } else {
-      for (int t = 0; t < T; ++t) Isa::template step<fmt_cmax(KIND)>(a[t], w, ld32(xq[t] + 4 * J), J);
+    typename Isa::B w[H];
+    for (int h = 0; h < H; ++h) w[h] = quad<KIND, J>(blk + 4 * Isa::L * h);
+    for (int t = 0; t < T; ++t) {
+      const typename Isa::X x = Isa::bcast(ld32(xq[t] + 4 * J));
+      for (int h = 0; h < H; ++h) {
+        if constexpr (KIND == Q8_0) {
+          Isa::step_s(a[h][t], Isa::prep_s(w[h]), x, J);
+        } else if constexpr (KIND == Q6_K) {  // the two 16-input halves apart: each has its own scale
+          Isa::template step<63>(J < 4 ? a[h][t] : a2[h][t], w[h], x, J % 4);
+        } else {
+          Isa::template step<fmt_cmax(KIND)>(a[h][t], w[h], x, J);
+        }
+      }
     }
-    quads<KIND, T, J + 1>(blk, xq, a, a2);
+    quads<KIND, H, T, J + 1>(blk, xq, a, a2);
   }
 }
 
-// One slice of L rows (lanes lo .. lo+L-1 of group g) x T activation rows from r0:
-// y[(r0+t) * ldy + 16g + lo + l] for l < nv - lo.
-template <int64_t KIND, int T>
+// H slices of L rows (lanes lo .. lo+H*L-1 of group g) x T activation rows from r0:
+// y[(r0+t) * ldy + 16g + lane] for the lanes < nv.
+template <int64_t KIND, int H, int T>
 static void tile(const W& w, int64_t g, int64_t lo, const QRows& x, int64_t r0, float* y, int64_t ldy, int64_t nv) {
   const int64_t NB = w.NB, NSB = NB / 8;
-  typename Isa::F acc[T];
-  for (int t = 0; t < T; ++t) acc[t] = Isa::fzero();
+  typename Isa::F acc[H][T];
+  for (int h = 0; h < H; ++h)
+    for (int t = 0; t < T; ++t) acc[h][t] = Isa::fzero();
   const uint8_t* base = w.qs + g * NB * fmt_bytes(KIND) + 4 * lo;
   for (int64_t b = 0; b < NB; ++b) {
     const int8_t* xq[T];
     for (int t = 0; t < T; ++t) xq[t] = x.q.data() + ((r0 + t) * NB + b) * 32;
-    typename Isa::Acc a[T], a2[T];
-    quads<KIND, T, 0>(base + b * fmt_bytes(KIND), xq, a, a2);
-    typename Isa::F dw, mw;
-    typename Isa::I sc0, sc1;
-    if constexpr (fmt_super(KIND)) {
-      const int64_t sg = (g * NSB + b / 8) * 16 + lo;
-      const uint8_t* scb = w.sc + (g * NB + b) * 32 + lo;
-      dw = Isa::load_h(w.d + sg);
-      if constexpr (KIND == Q6_K) {
-        sc0 = Isa::load_i8(scb);
-        sc1 = Isa::load_i8(scb + 16);
+    typename Isa::Acc a[H][T], a2[H][T];
+    quads<KIND, H, T, 0>(base + b * fmt_bytes(KIND), xq, a, a2);
+    for (int h = 0; h < H; ++h) {
+      const int64_t l0 = lo + h * Isa::L;
+      typename Isa::F dw, mw;
+      typename Isa::I sc0, sc1;
+      if constexpr (fmt_super(KIND)) {
+        const int64_t sg = (g * NSB + b / 8) * 16 + l0;
+        const uint8_t* scb = w.sc + (g * NB + b) * 32 + l0;
+        dw = Isa::load_h(w.d + sg);
+        if constexpr (KIND == Q6_K) {
+          sc0 = Isa::load_i8(scb);
+          sc1 = Isa::load_i8(scb + 16);
+        } else {
+          dw = Isa::fmul(dw, Isa::cvt(Isa::load_u8(scb)));
+          mw = Isa::fneg(Isa::fmul(Isa::load_h(w.m + sg), Isa::cvt(Isa::load_u8(scb + 16))));
+        }
       } else {
-        dw = Isa::fmul(dw, Isa::cvt(Isa::load_u8(scb)));
-        mw = Isa::fneg(Isa::fmul(Isa::load_h(w.m + sg), Isa::cvt(Isa::load_u8(scb + 16))));
+        const int64_t gb = (g * NB + b) * 16 + l0;
+        dw = Isa::load_h(w.d + gb);
+        if constexpr (fmt_min(KIND)) mw = Isa::load_h(w.m + gb);
       }
-    } else {
-      const int64_t gb = (g * NB + b) * 16 + lo;
-      dw = Isa::load_h(w.d + gb);
-      if constexpr (fmt_min(KIND)) mw = Isa::load_h(w.m + gb);
-    }
-    for (int t = 0; t < T; ++t) {
-      const int64_t xb = (r0 + t) * NB + b;
-      typename Isa::I s;
-      if constexpr (KIND == Q8_0) {
-        s = Isa::done_s(a[t], x.sq[xb]);
-      } else if constexpr (KIND == Q4_0 || KIND == Q5_0) {
-        s = Isa::iadd(Isa::done(a[t]), Isa::iset((KIND == Q4_0 ? -8 : -16) * x.sq[xb]));
-      } else if constexpr (KIND == Q6_K) {
-        const typename Isa::I s0 = Isa::iadd(Isa::done(a[t]), Isa::iset(-32 * x.sq0[xb]));
-        const typename Isa::I s1 = Isa::iadd(Isa::done(a2[t]), Isa::iset(-32 * (x.sq[xb] - x.sq0[xb])));
-        s = Isa::iadd(Isa::imul(s0, sc0), Isa::imul(s1, sc1));
-      } else {
-        s = Isa::done(a[t]);
+      for (int t = 0; t < T; ++t) {
+        const int64_t xb = (r0 + t) * NB + b;
+        typename Isa::I s;
+        if constexpr (KIND == Q8_0) {
+          s = Isa::done_s(a[h][t], x.sq[xb]);
+        } else if constexpr (KIND == Q4_0 || KIND == Q5_0) {
+          s = Isa::iadd(Isa::done(a[h][t]), Isa::iset((KIND == Q4_0 ? -8 : -16) * x.sq[xb]));
+        } else if constexpr (KIND == Q6_K) {
+          const typename Isa::I s0 = Isa::iadd(Isa::done(a[h][t]), Isa::iset(-32 * x.sq0[xb]));
+          const typename Isa::I s1 = Isa::iadd(Isa::done(a2[h][t]), Isa::iset(-32 * (x.sq[xb] - x.sq0[xb])));
+          s = Isa::iadd(Isa::imul(s0, sc0), Isa::imul(s1, sc1));
+        } else {
+          s = Isa::done(a[h][t]);
+        }
+        acc[h][t] = Isa::fadd(acc[h][t], Isa::fmul(Isa::cvt(s), Isa::fmul(dw, Isa::fset(x.dx[xb]))));
+        if constexpr (fmt_min(KIND)) acc[h][t] = Isa::fadd(acc[h][t], Isa::fmul(mw, Isa::fset(x.sx[xb])));
       }
-      acc[t] = Isa::fadd(acc[t], Isa::fmul(Isa::cvt(s), Isa::fmul(dw, Isa::fset(x.dx[xb]))));
-      if constexpr (fmt_min(KIND)) acc[t] = Isa::fadd(acc[t], Isa::fmul(mw, Isa::fset(x.sx[xb])));
     }
   }
-  const int64_t keep = std::min<int64_t>(Isa::L, nv - lo);
-  for (int t = 0; t < T; ++t) Isa::store(y + (r0 + t) * ldy + 16 * g + lo, acc[t], keep);
+  for (int h = 0; h < H; ++h) {
+    const int64_t l0 = lo + h * Isa::L;
+    if (l0 >= nv) break;
+    for (int t = 0; t < T; ++t) Isa::store(y + (r0 + t) * ldy + 16 * g + l0, acc[h][t], std::min<int64_t>(Isa::L, nv - l0));
+  }
 }
 
-template <int64_t KIND, int T>
+template <int64_t KIND, int H, int T>
 static inline void tile_upto(int64_t n, const W& w, int64_t g, int64_t lo, const QRows& x, int64_t r0, float* y,
                              int64_t ldy, int64_t nv) {  // a tile of n <= T rows
   if constexpr (T > 1) {
-    if (n < T) return tile_upto<KIND, T - 1>(n, w, g, lo, x, r0, y, ldy, nv);
+    if (n < T) return tile_upto<KIND, H, T - 1>(n, w, g, lo, x, r0, y, ldy, nv);
   }
-  tile<KIND, T>(w, g, lo, x, r0, y, ldy, nv);
+  tile<KIND, H, T>(w, g, lo, x, r0, y, ldy, nv);
 }
 
-// Groups gs .. ge-1 of w against all M rows.  The activation rows go in chunks of 64 (they stay in L1/L2);
-// within a chunk each group's weights are read from memory once and reused from L1 by every tile of rows.
 static inline void prefetch_group(const W& w, int64_t g, int64_t bytes) {
   const char* q = (const char*)(w.qs + g * w.NB * bytes);
   for (int64_t o = 0; o < w.NB * bytes; o += 64) _mm_prefetch(q + o, _MM_HINT_T0);
@@ -525,15 +544,25 @@ static inline void prefetch_group(const W& w, int64_t g, int64_t bytes) {
     for (int64_t o = 0; o < w.NB * 32; o += 64) _mm_prefetch((const char*)(w.sc + g * w.NB * 32) + o, _MM_HINT_T0);
 }
 
+// Groups gs .. ge-1 of w against all M rows.  The activation rows go in chunks of 64 (they stay in L1/L2);
+// within a chunk each group's weights are read from memory once and reused from L1 by every tile of rows.
+// Passes of 1-2 rows take a whole group a tile (each activation quad broadcast once for its 16 rows);
+// longer ones a slice of L rows x T rows (register-bound).  Either way each row gets the same operations.
 template <int64_t KIND>
 static void groups(const W& w, int64_t gs, int64_t ge, const QRows& x, int64_t M, float* y, int64_t ldy) {
+  constexpr int HW = 16 / Isa::L;  // slices in a group
   for (int64_t r0 = 0; r0 < M; r0 += 64) {
     const int64_t r1 = std::min(M, r0 + 64);
     for (int64_t g = gs; g < ge; ++g) {
       const int64_t nv = std::min<int64_t>(16, w.N - 16 * g);
-      if (r0 == 0 && g + 1 < ge) prefetch_group(w, g + 1, fmt_bytes(KIND));  // the next group's weights, while this one computes
+      if (r0 == 0 && g + 1 < ge) prefetch_group(w, g + 1, fmt_bytes(KIND));  // the next group's weights meanwhile
+      if (M <= 2 && HW > 1) {
+        tile_upto<KIND, HW, 2>(M, w, g, 0, x, 0, y, ldy, nv);
+        continue;
+      }
       for (int64_t lo = 0; lo < nv; lo += Isa::L)
-        for (int64_t r = r0; r < r1; r += Isa::T) tile_upto<KIND, Isa::T>(std::min<int64_t>(Isa::T, r1 - r), w, g, lo, x, r, y, ldy, nv);
+        for (int64_t r = r0; r < r1; r += Isa::T)
+          tile_upto<KIND, 1, Isa::T>(std::min<int64_t>(Isa::T, r1 - r), w, g, lo, x, r, y, ldy, nv);
     }
   }
 }

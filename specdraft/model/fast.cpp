@@ -546,8 +546,10 @@ static inline void prefetch_group(const W& w, int64_t g, int64_t bytes) {
 
 // Groups gs .. ge-1 of w against all M rows.  The activation rows go in chunks of 64 (they stay in L1/L2);
 // within a chunk each group's weights are read from memory once and reused from L1 by every tile of rows.
-// Passes of 1-2 rows take a whole group a tile (each activation quad broadcast once for its 16 rows);
-// longer ones a slice of L rows x T rows (register-bound).  Either way each row gets the same operations.
+// Passes of 1-2 rows take a whole group a tile (each activation quad broadcast once for its 16 rows) and
+// prefetch the next group (measured: faster there, slower from 4 rows, where the hardware prefetcher
+// keeps up); longer ones a slice of L rows x T rows (register-bound).  Either way each row gets the same
+// operations.
 template <int64_t KIND>
 static void groups(const W& w, int64_t gs, int64_t ge, const QRows& x, int64_t M, float* y, int64_t ldy) {
   constexpr int HW = 16 / Isa::L;  // slices in a group
@@ -555,7 +557,7 @@ static void groups(const W& w, int64_t gs, int64_t ge, const QRows& x, int64_t M
     const int64_t r1 = std::min(M, r0 + 64);
     for (int64_t g = gs; g < ge; ++g) {
       const int64_t nv = std::min<int64_t>(16, w.N - 16 * g);
-      if (r0 == 0 && g + 1 < ge) prefetch_group(w, g + 1, fmt_bytes(KIND));  // the next group's weights meanwhile
+      if (M <= 2 && g + 1 < ge) prefetch_group(w, g + 1, fmt_bytes(KIND));  // memory-bound passes: the next group meanwhile
       if (M <= 2 && HW > 1) {
         tile_upto<KIND, HW, 2>(M, w, g, 0, x, 0, y, ldy, nv);
         continue;

@@ -225,9 +225,10 @@ def build_model(w: LoadedWeights, device: str = "cpu", dtype: torch.dtype = torc
                 quantized: bool = True, precision: str | None = "exact") -> Transformer:
     """The decoder with ``w`` loaded.  A GGUF's Q4_1/Q8_0 blocks also serve passes of few tokens
     on the CPU in fp32 (``quantized``; see ``model.quant``).  ``precision`` "fast" runs every pass
-    on 8-bit activations (``model.fast``; an HF folder's weights are rounded to Q8_0 blocks for it);
-    where that mode cannot run (another device or dtype, no kernel, an unsupported architecture)
-    the model stays "exact", with one warning saying why.  None: fast where it can run, else exact
+    on 8-bit activations against the GGUF's blocks in any of ``model.blocks.FORMATS`` (``model.fast``;
+    float weights are rounded to Q8_0 blocks for it); where that mode cannot run (another device or
+    dtype, no kernel, an unsupported architecture or block type) the model stays "exact", with one
+    warning saying why (always for a block type it cannot read).  None: fast where it can run, else exact
     without a warning (the CLI's default)."""
     if precision is not None and precision not in PRECISIONS:
         raise SpecdraftError(f"unknown precision {precision!r} (choose from {', '.join(PRECISIONS)})")

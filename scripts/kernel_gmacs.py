@@ -53,9 +53,7 @@ def hot(rows=(1, 8, 16, 64), n: int = 2048, k: int = 512) -> dict:
 
 def stream(target: Target, rows=(1, 8, 16), context: int = 256) -> dict:
     model = target.model
-    nbytes = sum(t.numel() * t.element_size() for b in model.blocks for lst in (b.fast[0], b.fast[4], b.fast[6], b.fast[9])
-                 for t in lst)
-    nbytes += sum(t.numel() * t.element_size() for t in model._fast_head.args()[0])
+    nbytes = sum(w.nbytes for w in model.fast_weights)
     cfg = model.cfg
     macs = cfg.num_layers * (cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
                              + cfg.num_heads * cfg.head_dim * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size)

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from specdraft.model.blocks import FORMATS, KINDS, OFFSET, SUPER, Decoded, decode  # noqa: F401 (re-exported)
-from specdraft.model.quant import RawQuant
+from specdraft.model.quant import RawQuant, cpuinfo
 
 ISAS = ("portable", "avx2", "avx512_vnni")  # fast_isa() numbers
 DEFAULT_PRECISION = None  # fast where it can run (the CPU, float32, a supported architecture), else exact
@@ -52,16 +52,10 @@ def isa() -> str:
 
 
 def cpu_name() -> str:
-    """This CPU's model name (Linux), for benchmark JSON: figures depend on it."""
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    """This CPU's model name, for benchmark JSON: figures depend on it."""
     import platform
 
-    return platform.processor() or platform.machine()
+    return cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def kernel_info(model) -> dict:
@@ -127,6 +121,9 @@ class FastWeight:
     cols: int
     parts: list
 
+    def __post_init__(self) -> None:  # the op arguments, built once (drafters call this on every step)
+        self._args = ([t for p in self.parts for t in p[2]], [x for p in self.parts for x in (KINDS[p[0]], p[1])])
+
     @classmethod
     def from_raw(cls, *raws: RawQuant) -> "FastWeight":
         parts = []
@@ -144,7 +141,12 @@ class FastWeight:
 
     def args(self) -> tuple[list[Tensor], list[int]]:
         """(tensors, meta): [qs, d, m, sc] and [kind, rows] per part, as the C++ ops take a weight."""
-        return ([t for p in self.parts for t in p[2]], [x for p in self.parts for x in (KINDS[p[0]], p[1])])
+        return self._args
+
+    @property
+    def nbytes(self) -> int:
+        """The repacked weight's size: what a pass streams for it."""
+        return sum(t.numel() * t.element_size() for t in self._args[0])
 
     def __call__(self, x: Tensor) -> Tensor:
         """y = x @ W^T for x [..., cols] fp32."""
@@ -230,8 +232,8 @@ def reference_linear(x: Tensor, *raws: RawQuant) -> Tensor:
         u = torch.from_numpy(dec.codes.astype(np.int64)).view(dec.rows, nb, 32)
         if dec.kind in OFFSET:
             u = u - OFFSET[dec.kind]
-        prod = torch.einsum("mbe,nbe->mnbe", q.view(m, nb, 32), u) if dec.kind == "Q6_K" else None
-        if prod is not None:  # the halves apart, each times its int8 scale: still exact integers
+        if dec.kind == "Q6_K":  # the halves apart, each times its int8 scale: still exact integers
+            prod = torch.einsum("mbe,nbe->mnbe", q.view(m, nb, 32), u)
             sc = torch.from_numpy(dec.sc.astype(np.int64))  # [n, nb, 2]
             s = prod[..., :16].sum(-1) * sc[None, ..., 0] + prod[..., 16:].sum(-1) * sc[None, ..., 1]
         else:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -242,6 +243,7 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
         self.precision = "exact"  # or "fast" (model.fast; see Transformer.set_precision)
         self._fast_head: FastWeight | None = None
+        self._fast_weights: list[FastWeight] = []  # every projection and the head (attach_fast)
 
     def set_precision(self, precision: str) -> str:
         """Use the "exact" (fp32 activations) or "fast" (8-bit activations, ``model.fast``) path;
@@ -346,24 +348,25 @@ class Transformer(nn.Module):
             parts, in_scale, _ = projections[lin]
             return FastWeight.from_raw(*parts), None if in_scale is None else in_scale.detach().float().contiguous()
 
+        self._fast_weights = []
         for b in self.blocks:
             (qkv, s_attn), (o, _), (gu, s_mlp), (dn, _) = (fw(m) for m in (b.wqkv, b.wo, b.w_gate_up, b.w_down))
             bias = None if b.wqkv.bias is None else b.wqkv.bias.detach().float().contiguous()
             b.fast = (*qkv.args(), s_attn, bias, *o.args(), *gu.args(), s_mlp, *dn.args())
+            self._fast_weights += [qkv, o, gu, dn]
         self._fast_head = fw(self.lm_head)[0]
+        self._fast_weights.append(self._fast_head)
         self._rot_table = rotation_table(cfg.max_position, self.inv_freq)
         return ""
 
+    @property
+    def fast_weights(self) -> list[FastWeight]:
+        """Every projection and the head as the fast mode reads them ([] when it is off)."""
+        return self._fast_weights if self._fast_head is not None else []
+
     def fast_formats(self) -> dict[str, int]:
         """How many matrices of each block format the fast mode reads ({} when it is off)."""
-        out: dict[str, int] = {}
-        if self._fast_head is None:
-            return out
-        metas = [m for b in self.blocks for m in (b.fast[1], b.fast[5], b.fast[7], b.fast[10])]
-        for meta in metas + [self._fast_head.args()[1]]:
-            for kind in meta[0::2]:
-                out[FAST_FORMATS[kind]] = out.get(FAST_FORMATS[kind], 0) + 1
-        return out
+        return dict(Counter(kind for w in self.fast_weights for kind, _, _ in w.parts))
 
     @property
     def fast_available(self) -> bool:
@@ -382,6 +385,7 @@ class Transformer(nn.Module):
         for b in self.blocks:
             b.fast = None
         self._fast_head = None
+        self._fast_weights = []
         self.precision = "exact"
         self._forget_fused_args()
 

@@ -356,17 +356,21 @@ def fast_source() -> str:
     return head + "".join(copies) + tail
 
 
+def cpuinfo(field: str) -> str:
+    """The first ``field`` line of /proc/cpuinfo ("" where there is none, as off Linux)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.split(":", 1)[0].strip() == field:
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def _extension_name() -> str:
     """The build's name, keyed by this CPU's instruction-set flags: the cache (-march=native) is never
     loaded on a CPU it was not built for."""
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = " ".join(sorted(line.split(":", 1)[1].split()))
-                break
-    except OSError:
-        pass
+    flags = " ".join(sorted(cpuinfo("flags").split()))
     return "specdraft_quant_" + hashlib.sha256((platform.machine() + flags).encode()).hexdigest()[:10]
 
 

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 from specdraft.bench.acceptance import acceptance_sweep
@@ -122,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quiet", action="store_true", help="no stats line on stderr")
     g.add_argument("--verbose", action="store_true",
                    help="also say on stderr what runs the passes (precision, kernel instruction set, block formats)")
+
+    pr = sub.add_parser("prepare", help="build the CPU kernels, convert the target's tokenizer and pack its weights "
+                                        "once, so the first run is as quick as the next (`make install` runs it)")
+    _add_target_args(pr)
 
     b = sub.add_parser("bench", help="benchmark against our plain decoding, llama.cpp and HF generate() on the same prompts")
     b.add_argument("--drafter", action="append", default=[], help="drafter to run (repeatable): " + DRAFTER_HELP)
@@ -431,6 +436,18 @@ def cmd_bench(args) -> None:
         print(f"wrote {write_report(args.out)}", file=sys.stderr)
 
 
+def cmd_prepare(args) -> None:
+    from specdraft.model.quant import kernel_available
+
+    t0 = time.perf_counter()
+    ok = kernel_available()
+    t1 = time.perf_counter()
+    print(f"CPU kernels: {'ready' if ok else 'unavailable (the exact mode still works)'} ({t1 - t0:.1f} s)", file=sys.stderr)
+    target = _engine(args).target  # converts and caches the tokenizer, packs the weights into the cache
+    print(f"{target.name}: {target.precision} mode, tokenizer and packed weights cached "
+          f"({time.perf_counter() - t1:.1f} s)", file=sys.stderr)
+
+
 def cmd_export_target(args) -> None:
     from specdraft.export import export_target
 
@@ -678,7 +695,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(e.code or 0)
     commands = {"generate": cmd_generate, "drafters": cmd_drafters, "bench": cmd_bench, "data": cmd_data, "serve": cmd_serve,
                 "export-target": cmd_export_target, "export": cmd_export,
-                "chat": cmd_chat, "train": cmd_train, "analyze": cmd_analyze}
+                "chat": cmd_chat, "train": cmd_train, "analyze": cmd_analyze, "prepare": cmd_prepare}
     try:
         commands[args.command](args)
     except SpecdraftError as e:

@@ -74,7 +74,7 @@ class Target:
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed.weight.device
+        return self.model.device
 
     @property
     def capacity(self) -> int:

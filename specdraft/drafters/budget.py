@@ -28,7 +28,7 @@ CURVE_VERSION = 4  # bumped whenever a pass's cost changes (2: fused quantized d
 
 def curve_path(target) -> Path:
     """Where this machine's cost curve for ``target`` (as loaded: device, dtype, precision / kernel, threads) lives."""
-    dtype = str(target.model.embed.weight.dtype).replace("torch.", "")
+    dtype = str(target.model.dtype).replace("torch.", "")
     q = target.model.quantized_rows
     mode = "fast" if target.model.precision == "fast" else (f"q{q}" if q else "")
     name = (f"{target.weight_hash[:16]}_{target.device.type}_{dtype}{f'_{mode}' if mode else ''}"

@@ -39,7 +39,7 @@ def generate_batch(
 ) -> BatchResult:
     t0 = time.perf_counter()
     s = sampling or Sampling()
-    dev = model.embed.weight.device
+    dev = model.device
     n = len(prompts)
     if n == 0:
         return BatchResult([], [], 0, 0.0)

@@ -3,6 +3,7 @@ test models of any shape and quantization mix, with gguf-py's ``GGUFWriter`` for
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Callable
 
@@ -76,4 +77,130 @@ def write_gguf(path: Path, cfg: ModelConfig, sd: dict[str, Tensor], kind_of: Cal
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
+    w.close()
+
+
+# ---------------------------------------------------------------------------- random test models of any size
+
+# llama.cpp's Q4_K_M recipe in spirit: Q6_K for v and down and the output, Q4_K elsewhere
+Q4_K_M_LIKE = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K", "ffn_gate": "Q4_K",
+               "ffn_up": "Q4_K", "ffn_down": "Q6_K", "token_embd": "Q4_K", "output": "Q6_K"}
+_CODE_STD = {"Q4_0": 4.6, "Q4_1": 4.6, "Q5_0": 9.2, "Q5_1": 9.2, "Q8_0": 74.0, "Q4_K": 147.0, "Q5_K": 294.0,
+             "Q6_K": 1369.0}  # the spread of (scale x code) per unit of d, for random codes and scales
+
+
+def random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator, std: float) -> np.ndarray:
+    """[rows, row_bytes] random blocks of ``kind`` (``model.blocks.FORMATS``) whose weights spread about
+    ``std``: random codes and sub-block scales, fp16 scales drawn near std / (their codes' spread), minimums
+    that centre the codes.  Weights of no trained model; fast to make at any size."""
+    from specdraft.model.blocks import BLOCK_BYTES, block_inputs
+
+    nb, size = cols // block_inputs(kind), BLOCK_BYTES[kind]
+    data = rng.integers(0, 256, (rows, nb, size), dtype=np.uint8)
+    d = (std / _CODE_STD[kind]) * rng.uniform(0.5, 1.5, (rows, nb))
+
+    def put(offset: int, values: np.ndarray) -> None:
+        data[..., offset:offset + 2] = values.astype(np.float16)[..., None].view(np.uint8)
+
+    if kind == "Q6_K":
+        put(208, d)
+    else:
+        put(0, d)
+        centre = {"Q4_1": -8.0, "Q5_1": -16.0, "Q4_K": 7.5, "Q5_K": 15.5}.get(kind)
+        if centre is not None:  # Q4_1 / Q5_1: m (w = d u + m); Q4_K / Q5_K: dmin (w = d sc u - dmin mn)
+            put(2, d * centre)
+    return data.reshape(rows, nb * size)
+
+
+def _subset_vocabulary(source, vocab: int) -> dict:
+    """The first ``vocab`` tokens of a GGUF's BPE vocabulary (``model.gguf_read.GGUFFile``), with the merges
+    among them: a smaller vocabulary that still tokenizes any text (byte-level BPE keeps its bytes)."""
+    tokens = source.get("tokenizer.ggml.tokens")[:vocab]
+    kept = set(tokens)
+    merges = [m for m in source.get("tokenizer.ggml.merges")
+              if len(p := m.split(" ")) == 2 and p[0] in kept and p[1] in kept and p[0] + p[1] in kept]
+    return {"tokens": tokens, "types": source.get("tokenizer.ggml.token_type")[:vocab], "merges": merges}
+
+
+def write_random_llama(path: Path, cfg: ModelConfig, tokenizer_from: Path, mix: dict[str, str] | None = None,
+                       rope_factors: np.ndarray | None = None, seed: int = 0, name: str = "random-llama",
+                       progress: bool = False) -> None:
+    """A Llama-architecture GGUF of shape ``cfg`` with random weights in ``mix`` (GGUF tensor kind -> block
+    format; default ``Q4_K_M_LIKE``), the tokenizer (its first ``cfg.vocab_size`` tokens) and chat template of
+    the GGUF ``tokenizer_from``, and llama3's ``rope_freqs`` if ``rope_factors`` [D/2] is given.  Tensors are
+    made and written one at a time (memory: the largest tensor, not the file)."""
+    from tqdm import tqdm
+
+    from specdraft.model.gguf_read import GGUFFile
+
+    mix = dict(Q4_K_M_LIKE, **(mix or {}))
+    src = GGUFFile(tokenizer_from)
+    voc = _subset_vocabulary(src, cfg.vocab_size)
+    if len(voc["tokens"]) != cfg.vocab_size:
+        raise ValueError(f"{tokenizer_from} has {len(voc['tokens'])} tokens, fewer than {cfg.vocab_size}")
+    h, d, q, kv = cfg.hidden_size, cfg.head_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes: list[tuple[str, str, int, int]] = [("token_embd.weight", mix["token_embd"], cfg.vocab_size, h)]
+    for i in range(cfg.num_layers):
+        p = f"blk.{i}."
+        shapes += [(p + "attn_norm.weight", "F32", 1, h), (p + "ffn_norm.weight", "F32", 1, h)]
+        shapes += [(p + f"{n}.weight", mix[n], r, c) for n, r, c in (
+            ("attn_q", q, h), ("attn_k", kv, h), ("attn_v", kv, h), ("attn_output", h, q),
+            ("ffn_gate", cfg.intermediate_size, h), ("ffn_up", cfg.intermediate_size, h),
+            ("ffn_down", h, cfg.intermediate_size))]
+    shapes.append(("output_norm.weight", "F32", 1, h))
+    if not cfg.tie_embeddings:
+        shapes.append(("output.weight", mix["output"], cfg.vocab_size, h))
+    if rope_factors is not None:
+        shapes.append(("rope_freqs.weight", "F32", 1, d // 2))
+
+    w = GGUFWriter(str(path), "llama")
+    w.add_name(name)
+    w.add_block_count(cfg.num_layers)
+    w.add_context_length(cfg.max_position)
+    w.add_embedding_length(h)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_key_length(d)
+    w.add_value_length(d)
+    w.add_rope_dimension_count(d)
+    w.add_layer_norm_rms_eps(cfg.rms_eps)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_tokenizer_model(src.get("tokenizer.ggml.model", "gpt2"))
+    if src.get("tokenizer.ggml.pre"):
+        w.add_tokenizer_pre(src.get("tokenizer.ggml.pre"))
+    w.add_token_list(voc["tokens"])
+    w.add_token_types(voc["types"])
+    w.add_token_merges(voc["merges"])
+    for key, add in (("bos", w.add_bos_token_id), ("eos", w.add_eos_token_id), ("unknown", w.add_unk_token_id),
+                     ("padding", w.add_pad_token_id)):
+        tid = src.get(f"tokenizer.ggml.{key}_token_id")
+        if isinstance(tid, int) and tid < cfg.vocab_size:
+            add(tid)
+    if src.get("tokenizer.chat_template"):
+        w.add_chat_template(src.get("tokenizer.chat_template"))
+    for tname, kind, rows, cols in shapes:
+        if kind == "F32":
+            nbytes, shape, dt = rows * cols * 4, [cols] if rows == 1 else [rows, cols], np.dtype(np.float32)
+            w.add_tensor_info(tname, shape, dt, nbytes)
+        else:
+            from specdraft.model.blocks import BLOCK_BYTES, block_inputs
+
+            row_bytes = cols // block_inputs(kind) * BLOCK_BYTES[kind]
+            w.add_tensor_info(tname, [rows, row_bytes], np.dtype(np.uint8), rows * row_bytes,
+                              raw_dtype=GGMLQuantizationType[kind])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    for tname, kind, rows, cols in tqdm(shapes, desc=f"writing {path.name}", disable=not progress, unit="tensor"):
+        if tname == "rope_freqs.weight":
+            data = np.asarray(rope_factors, dtype=np.float32)
+        elif kind == "F32":
+            data = np.ones(cols, dtype=np.float32)  # RMSNorm weights
+        else:
+            std = 1.0 if tname == "token_embd.weight" else 1.0 / math.sqrt(cols)
+            data = random_blocks(kind, rows, cols, rng, std)
+        w.write_tensor_data(data)
     w.close()

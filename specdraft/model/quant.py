@@ -27,6 +27,7 @@ import shutil
 import sys
 import warnings
 from dataclasses import dataclass
+from typing import Callable
 from pathlib import Path
 
 import numpy as np
@@ -374,12 +375,31 @@ def _extension_name() -> str:
     return "specdraft_quant_" + hashlib.sha256((platform.machine() + flags).encode()).hexdigest()[:10]
 
 
+def _built() -> bool:
+    """Whether this CPU's build of the kernels is already in torch's extension cache."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}_cpu")
+    name = _extension_name()
+    return os.path.isfile(os.path.join(root, name, name + ".so"))
+
+
 def kernel_available() -> bool:
     """Compile (once per machine, cached) and load the kernel; False (with one warning) if impossible."""
     if "ok" in _STATE:
         return bool(_STATE["ok"])
     ok = False
-    if os.environ.get("SPECDRAFT_QUANT", "1") != "0":
+    cxx = os.environ.get("CXX", "c++")
+    if os.environ.get("SPECDRAFT_QUANT", "1") == "0":
+        pass
+    elif shutil.which(cxx) is None:
+        warnings.warn(f"specdraft: no C++ compiler ({cxx}) found, so the CPU kernels cannot be built: the exact mode "
+                      "runs on fp32 weights (install g++, then run `specdraft prepare`)", stacklevel=2)
+    else:
+        if not _built():
+            print("specdraft: compiling the CPU kernels for this CPU (once; about a minute)...", file=sys.stderr,
+                  flush=True)
         try:
             from torch.utils.cpp_extension import load_inline  # the build tooling: only to compile, once
 
@@ -415,6 +435,26 @@ class RawQuant:
     def dequantize(self) -> Tensor:
         arr = dequantize(self.data, GGMLQuantizationType[self.kind])
         return torch.from_numpy(np.asarray(arr, dtype=np.float32).reshape(self.rows, self.cols).copy())
+
+    def load(self) -> "RawQuant":
+        return self
+
+
+@dataclass
+class LazyRaw:
+    """A ``RawQuant`` not read yet: its kind and shape now, its bytes when ``load`` is called (each time:
+    the loader repacks one projection at a time, so the file's blocks are never all in memory at once)."""
+
+    kind: str
+    cols: int
+    rows: int
+    read: Callable[[], np.ndarray]  # -> [rows, row_bytes] uint8
+
+    def take_rows(self, index) -> "LazyRaw":
+        return LazyRaw(self.kind, self.cols, len(index), lambda: np.ascontiguousarray(self.read()[index]))
+
+    def load(self) -> RawQuant:
+        return RawQuant(self.kind, self.cols, self.read())
 
 
 def supported(kind: str) -> bool:

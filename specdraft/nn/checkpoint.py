@@ -119,8 +119,8 @@ def load_draft_model(target, path: str | Path, kind: str, any_target: bool = Fal
         config_cls, model_cls = MODELS[kind]
         cfg = config_cls.from_json(manifest["config"])
         check_fits(cfg, target, path)
-        model = model_cls(cfg, tm.embed.weight, tm.lm_head.weight, tensors["vocab_ids"].to(tm.embed.weight.device))
+        model = model_cls(cfg, tm.embed.weight, tm.lm_head.weight, tensors["vocab_ids"].to(tm.device))
         model.load_state_dict(tensors)
     except (KeyError, TypeError, RuntimeError, IndexError) as e:
         raise SpecdraftError(f"checkpoint {path} does not hold a valid {kind} drafter ({e})") from None
-    return DraftCheckpoint(model.to(device=target.device, dtype=tm.embed.weight.dtype), manifest)
+    return DraftCheckpoint(model.to(device=target.device, dtype=tm.dtype), manifest)

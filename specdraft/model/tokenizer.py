@@ -1,0 +1,115 @@
+"""The target's tokenizer at inference, without importing ``transformers`` (about 2 s) for what a prompt needs.
+
+A converted tokenizer folder (``tokenizer.json``, ``tokenizer_config.json``, the chat template) is read
+with the Rust ``tokenizers`` library directly: encoding and decoding are the same backend calls the
+transformers tokenizer makes, so the ids and text are the same (tests/test_loading.py checks it).
+
+The chat template is jinja code run by transformers.  For the one conversation a prompt makes (one user
+message, then the assistant prefix) the loader renders it once with marker contents and keeps the text
+around the content (``chat.json``: "before", "after"), but only if the template puts any content there
+verbatim; then such a prompt is ``before + content + after``.  Every other conversation, and every
+other attribute (the vocabulary tools training uses, ``save_pretrained``), goes to the transformers
+tokenizer, loaded on first use.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+WRAP_FILE = "chat.json"
+_MARKERS = ("specdraft-marker", " two  words\n\nand lines ", "<b>{{ x }}</b> \\n ")  # contents the wrap must hold for
+
+
+@dataclass
+class Encoding:
+    input_ids: list[int]
+
+
+def _token_text(value) -> str | None:  # tokenizer_config.json writes a token as a string or {"content": ...}
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def chat_wrap(hf_tokenizer) -> dict | None:
+    """{"before", "after"}: the one-user-message prompt of ``hf_tokenizer``'s chat template around its
+    content, or None when the template does not put every marker content there verbatim."""
+    if not getattr(hf_tokenizer, "chat_template", None):
+        return None
+    texts = []
+    for m in _MARKERS:
+        try:
+            texts.append(hf_tokenizer.apply_chat_template([{"role": "user", "content": m}], tokenize=False,
+                                                          add_generation_prompt=True))
+        except Exception:  # the template's own raise_exception or any jinja error: no shortcut
+            return None
+    i = texts[0].find(_MARKERS[0])
+    if i < 0:
+        return None
+    before, after = texts[0][:i], texts[0][i + len(_MARKERS[0]):]
+    if any(t != before + m + after for t, m in zip(texts, _MARKERS)):
+        return None
+    return {"before": before, "after": after}
+
+
+class Tokenizer:
+    """Encode, decode and the one-message chat prompt from a tokenizer folder; anything else from the
+    transformers tokenizer of the same folder (``hf``), loaded when first needed."""
+
+    def __init__(self, folder: str | Path) -> None:
+        from tokenizers import Tokenizer as Backend  # the Rust library: milliseconds
+
+        self.folder = Path(folder)
+        self._tk = Backend.from_file(str(self.folder / "tokenizer.json"))
+        cfg = json.loads((self.folder / "tokenizer_config.json").read_text())
+        template = self.folder / "chat_template.jinja"
+        self.chat_template = template.read_text() if template.is_file() else cfg.get("chat_template")
+        eos = _token_text(cfg.get("eos_token"))
+        self.eos_token_id = None if eos is None else self._tk.token_to_id(eos)
+        # as transformers decodes: its space clean-up, never for a BPE model unless the config insists
+        self._clean_spaces = bool(cfg.get("clean_up_tokenization_spaces", False)) and (
+            type(self._tk.model).__name__ != "BPE"
+            or bool(cfg.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)))
+        wrap = self.folder / WRAP_FILE
+        self._wrap = json.loads(wrap.read_text()) if wrap.is_file() else None
+        self._hf = None
+
+    @property
+    def hf(self):
+        """The transformers tokenizer of the same folder (imported and loaded on first use)."""
+        if self._hf is None:
+            from transformers import AutoTokenizer
+
+            self._hf = AutoTokenizer.from_pretrained(str(self.folder))
+        return self._hf
+
+    def __getattr__(self, name: str):  # only for attributes not defined here
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.hf, name)
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> Encoding:
+        return Encoding(self._tk.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        text = self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return _clean_up(text) if self._clean_spaces else text
+
+    def apply_chat_template(self, messages: list[dict], tokenize: bool = False, add_generation_prompt: bool = False,
+                            **kwargs):
+        one = (len(messages) == 1 and set(messages[0]) == {"role", "content"} and messages[0]["role"] == "user"
+               and isinstance(messages[0]["content"], str))
+        if self._wrap is not None and one and add_generation_prompt and not tokenize and not kwargs:
+            return self._wrap["before"] + messages[0]["content"] + self._wrap["after"]
+        return self.hf.apply_chat_template(messages, tokenize=tokenize, add_generation_prompt=add_generation_prompt,
+                                           **kwargs)
+
+
+def _clean_up(text: str) -> str:
+    """transformers' ``clean_up_tokenization`` (the spaces before punctuation and English contractions)."""
+    for a, b in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
+                 (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+        text = text.replace(a, b)
+    return text

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-server, llama-bench and llama-quantize natively from the llama-cpp-python source
+# Build llama.cpp's llama-server, llama-bench, llama-quantize and llama-completion natively from the llama-cpp-python source
 # distribution (a package-registry download), for `specdraft bench --llama-cpp BIN_DIR`.
 #
 #   bash scripts/build_llamacpp.sh [OUT_DIR]      # default OUT_DIR: ~/.cache/specdraft/llamacpp
@@ -10,7 +10,7 @@ set -euo pipefail
 VERSION=0.3.36
 OUT=${1:-${SPECDRAFT_LLAMACPP:-$HOME/.cache/specdraft/llamacpp}}
 BIN="$OUT/build/bin"
-if [[ -x "$BIN/llama-server" && -x "$BIN/llama-bench" && -x "$BIN/llama-quantize" ]]; then
+if [[ -x "$BIN/llama-server" && -x "$BIN/llama-bench" && -x "$BIN/llama-quantize" && -x "$BIN/llama-completion" ]]; then
   echo "$BIN"
   exit 0
 fi
@@ -28,6 +28,6 @@ fi
 cmake -S "$OUT/src" -B "$OUT/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
   -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >"$OUT/cmake.log" 2>&1 \
   || { echo "build_llamacpp: cmake configure failed, see $OUT/cmake.log" >&2; exit 1; }
-cmake --build "$OUT/build" -j "$(nproc)" --target llama-server llama-bench llama-quantize >"$OUT/build.log" 2>&1 \
+cmake --build "$OUT/build" -j "$(nproc)" --target llama-server llama-bench llama-quantize llama-completion >"$OUT/build.log" 2>&1 \
   || { echo "build_llamacpp: the build failed, see $OUT/build.log" >&2; exit 1; }
 echo "$BIN"

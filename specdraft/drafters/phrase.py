@@ -17,7 +17,7 @@ import torch
 from specdraft.drafters.ngram import NgramDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.model.fast import quantize_linears
-from specdraft.model.llama import ForwardOutput
+from specdraft.model.llama import BlockTable, ForwardOutput
 from specdraft.model.quant import kernel_available
 from specdraft.nn.checkpoint import DraftCheckpoint
 from specdraft.nn.phrase import FEATURE_LAYER, PhraseHead, PhraseVocab
@@ -48,12 +48,12 @@ class PhraseDrafter:
     hidden_layers: tuple[int, ...] = (FEATURE_LAYER,)
     default_budget = 6  # drafted nodes per tree without a cost curve (the registry sets the machine's)
 
-    def __init__(self, head: PhraseHead, vocab: PhraseVocab, embed: torch.Tensor, options: PhraseOptions | None = None,
+    def __init__(self, head: PhraseHead, vocab: PhraseVocab, embed, options: PhraseOptions | None = None,
                  manifest: dict | None = None) -> None:
         self.cfg = options or PhraseOptions()
         self.head = head.eval()
         self.vocab = vocab
-        self.embed = embed  # the target's (frozen) token embeddings
+        self.embed = embed  # the target's (frozen) token embeddings: a tensor [V, H] or a BlockTable (rows on lookup)
         self.manifest = manifest or {}
         self.ngram = NgramDrafter() if self.cfg.ngram else None
         self.h: torch.Tensor | None = None
@@ -102,4 +102,6 @@ def load_phrase(target, ckpt: DraftCheckpoint, options: PhraseOptions, name: str
     model = ckpt.model
     if target.precision == "fast" and kernel_available():
         quantize_linears(model)
-    return PhraseDrafter(model, ckpt.vocab, target.model.embed.weight.detach(), options, ckpt.manifest)
+    embed = target.model.embed
+    rows = embed if isinstance(embed, BlockTable) else embed.weight.detach()  # a row at a time: no fp32 table
+    return PhraseDrafter(model, ckpt.vocab, rows, options, ckpt.manifest)

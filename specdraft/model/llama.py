@@ -101,6 +101,10 @@ class BlockTable(nn.Module):
         rows = RawQuant(self.raw.kind, self.raw.cols, self.raw.data[ids]).dequantize()
         return rows.view(*tokens.shape, self.raw.cols).to(self._device)
 
+    def __getitem__(self, ids) -> Tensor:
+        """Rows ``ids`` (an int, a list or a tensor of token ids), as ``weight[ids]`` would give them."""
+        return self.forward(torch.as_tensor(ids))
+
     @property
     def weight(self) -> Tensor:
         if self._weight is None:

@@ -368,21 +368,27 @@ def cpuinfo(field: str) -> str:
     return ""
 
 
+_CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fsched-pressure", "-fschedule-insns"]
+
+
 def _extension_name() -> str:
-    """The build's name, keyed by this CPU's instruction-set flags: the cache (-march=native) is never
-    loaded on a CPU it was not built for."""
+    """The build's name, keyed by this CPU's instruction-set flags (the cache, built with -march=native, is
+    never loaded on a CPU it was not built for), the sources, the flags and torch's version: a build of
+    that name is these sources' for this CPU, so it is loaded without asking the build tool."""
     flags = " ".join(sorted(cpuinfo("flags").split()))
-    return "specdraft_quant_" + hashlib.sha256((platform.machine() + flags).encode()).hexdigest()[:10]
+    key = "\0".join([platform.machine(), flags, fast_source(), _SOURCE, " ".join(_CFLAGS), torch.__version__])
+    return "specdraft_quant_" + hashlib.sha256(key.encode()).hexdigest()[:10]
 
 
-def _built() -> bool:
-    """Whether this CPU's build of the kernels is already in torch's extension cache."""
+def _built_library() -> str | None:
+    """The path of this build of the kernels in torch's extension cache, or None if not built yet."""
     from torch.utils.cpp_extension import get_default_build_root
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
         get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}_cpu")
     name = _extension_name()
-    return os.path.isfile(os.path.join(root, name, name + ".so"))
+    path = os.path.join(root, name, name + ".so")
+    return path if os.path.isfile(path) else None
 
 
 def kernel_available() -> bool:
@@ -397,18 +403,20 @@ def kernel_available() -> bool:
         warnings.warn(f"specdraft: no C++ compiler ({cxx}) found, so the CPU kernels cannot be built: the exact mode "
                       "runs on fp32 weights (install g++, then run `specdraft prepare`)", stacklevel=2)
     else:
-        if not _built():
+        built = _built_library()
+        if built is None:
             print("specdraft: compiling the CPU kernels for this CPU (once; about a minute)...", file=sys.stderr,
                   flush=True)
         try:
-            from torch.utils.cpp_extension import load_inline  # the build tooling: only to compile, once
+            if built is not None:  # these sources' build for this CPU: loaded as it is (milliseconds)
+                torch.ops.load_library(built)
+            else:
+                from torch.utils.cpp_extension import load_inline  # the build tooling: only to compile, once
 
-            if shutil.which("ninja") is None:  # pip puts ninja next to this interpreter (an unactivated venv)
-                os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-
-            load_inline(_extension_name(), cpp_sources=[fast_source(), _SOURCE], is_python_module=False,
-                        verbose=False, extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fsched-pressure",
-                                                   "-fschedule-insns"])
+                if shutil.which("ninja") is None:  # pip puts ninja next to this interpreter (an unactivated venv)
+                    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+                load_inline(_extension_name(), cpp_sources=[fast_source(), _SOURCE], is_python_module=False,
+                            verbose=False, extra_cflags=_CFLAGS)
             ok = hasattr(torch.ops.specdraft_quant, "qlinear")
         except Exception as e:  # no compiler / ninja / headers: the fp32 path still works
             warnings.warn(f"specdraft: quantized CPU kernel unavailable, using fp32 weights ({type(e).__name__}: {e})",

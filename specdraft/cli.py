@@ -28,6 +28,7 @@ from specdraft.drafters.registry import DRAFTERS, drafters_table
 from specdraft.engine import Engine
 from specdraft.errors import SpecdraftError
 from specdraft.generate import GenerateConfig
+from specdraft.paths import existing_folder, writable_file, writable_folder
 from specdraft.model.fast import DEFAULT_PRECISION, PRECISIONS, kernel_info
 from specdraft.nn.phrase import FEATURE_LAYER
 from specdraft.server.queue import RequestQueue
@@ -60,6 +61,17 @@ def _finite(text: str) -> float:
     return x
 
 
+def _seed(text: str) -> int:
+    """A seed option: an integer in 0 .. 2^63 - 1 (what torch's generators take), refused at parse time."""
+    try:
+        x = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= x < 2**63:
+        raise argparse.ArgumentTypeError(f"{text} is not in 0 .. 2^63-1")
+    return x
+
+
 def _layers(text: str) -> tuple[int, ...]:
     """``--layers 3,15,27,-1`` -> (3, 15, 27, -1)."""
     try:
@@ -87,7 +99,7 @@ def _add_trainer_args(p, many: bool = False) -> None:
     p.add_argument("--lr", type=_finite, default=6e-4)
     p.add_argument("--shards", type=int, default=0,
                    help="train on the first N data shards only (of each --data folder; default all)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--out", required=True, help="checkpoint to write (.safetensors); re-run to resume")
     p.add_argument("--quiet", action="store_true")
 
@@ -115,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=_finite, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=_finite, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=_seed, default=0)
     g.add_argument("--budget", type=int, default=None, help="drafted nodes per tree (default: the drafter's)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--raw", action="store_true", help="no chat template")
@@ -140,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "and not with --llama-cpp)")
     b.add_argument("--top-p", type=_finite, default=1.0)
     b.add_argument("--top-k", type=int, default=0)
-    b.add_argument("--seed", type=int, default=0, help="sampling seed")
+    b.add_argument("--seed", type=_seed, default=0, help="sampling seed")
     b.add_argument("--llama-cpp", metavar="BIN_DIR", default=None,
                    help="folder with llama.cpp's llama-server and llama-bench (scripts/build_llamacpp.sh builds them): "
                         "adds llamacpp rows, and llama-bench's pass times to --cost-curve")
@@ -190,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--epochs", type=int, default=4)
     tp.add_argument("--batch-size", type=int, default=1024)
     tp.add_argument("--lr", type=_finite, default=2e-3)
-    tp.add_argument("--seed", type=int, default=0)
+    tp.add_argument("--seed", type=_seed, default=0)
     tp.add_argument("--out", required=True, help="checkpoint to write (.safetensors); re-run to resume")
     tp.add_argument("--quiet", action="store_true")
     _add_target_args(tp)
@@ -279,6 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--drafter", default="ngram", help=DRAFTER_HELP + " (default: ngram)")
     sv.add_argument("--budget", type=int, default=None, help="drafted nodes per tree (default: the drafter's)")
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    sv.add_argument("--api-key", default=os.environ.get("SPECDRAFT_API_KEY") or None,
+                    help="require 'Authorization: Bearer KEY' on every route but /health "
+                         "(default: $SPECDRAFT_API_KEY; none: no authentication)")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--model-name", default=None, help="model id clients send (default: the target's name)")
     sv.add_argument("--max-batch", type=int, default=8,
@@ -297,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--temperature", type=_finite, default=0.0, help="0 = greedy (default)")
     c.add_argument("--top-p", type=_finite, default=1.0)
     c.add_argument("--top-k", type=int, default=0)
-    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--seed", type=_seed, default=0)
     c.add_argument("--system", default=None, help="system prompt")
     c.add_argument("--quiet", action="store_true", help="no live status or stats lines")
     a = sub.add_parser("analyze", help="offline analyses of drafters (no timing)")
@@ -330,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     ac.add_argument("--contexts-per-prompt", type=int, default=8)
     ac.add_argument("--samples", type=int, default=16, help="futures sampled at temperature 1 per context (+ the greedy one)")
     ac.add_argument("--top-k", type=int, default=16, help="candidates per draft position")
-    ac.add_argument("--seed", type=int, default=0)
+    ac.add_argument("--seed", type=_seed, default=0)
     ac.add_argument("--out", default="bench_out")
     ac.add_argument("--quiet", action="store_true")
     _add_target_args(ac)
@@ -359,6 +374,8 @@ def cmd_generate(args) -> None:
     sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     if args.max_new_tokens < 1:
         raise SpecdraftError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
+    if any(not s for s in args.stop):
+        raise SpecdraftError("--stop strings must be non-empty (as the server's stop sequences)")
     engine = _engine(args, args.drafter, args.budget)
     drafter = engine.drafter
     if args.verbose:
@@ -602,6 +619,8 @@ def cmd_serve(args) -> None:
 
     if not 0 <= args.port <= 65535:
         raise SpecdraftError(f"--port must be in 0..65535 (got {args.port})")
+    if args.api_key is not None and not args.api_key.strip():
+        raise SpecdraftError("--api-key is empty")
     if args.temperature < 0:
         raise SpecdraftError(f"--temperature must be >= 0 (got {args.temperature})")
     engine = _engine(args, args.drafter, args.budget)
@@ -614,11 +633,11 @@ def cmd_serve(args) -> None:
         loopback = args.host == "localhost" or ipaddress.ip_address(args.host).is_loopback
     except ValueError:
         loopback = False
-    if not loopback:
-        print(f"warning: binding to {args.host}, reachable from other machines; there is no authentication",
-              file=sys.stderr)
+    if not loopback and args.api_key is None:
+        print(f"warning: binding to {args.host}, reachable from other machines, without --api-key: there is no "
+              "authentication", file=sys.stderr)
     print(f"serving {queue.model_id} ({engine.drafter.name} drafter) at http://{args.host}:{args.port}/v1", file=sys.stderr)
-    serve(queue, host=args.host, port=args.port, quiet=args.quiet)
+    serve(queue, host=args.host, port=args.port, quiet=args.quiet, api_key=args.api_key)
 
 
 def cmd_chat(args) -> None:
@@ -688,6 +707,24 @@ def cmd_analyze(args) -> None:
         print(f"wrote {Path(args.out) / 'chimeras.json'}", file=sys.stderr)
 
 
+def _check_paths(args) -> None:
+    """Output and input folders checked before any work (``specdraft.paths``): a train checkpoint is a
+    file, every other ``--out`` a folder; training's ``--data`` and ``--features`` are folders."""
+    out = getattr(args, "out", None)
+    if out is not None:
+        (writable_file if args.command == "train" else writable_folder)(out)
+    if args.command == "train":
+        for flag in ("data", "features"):
+            value = getattr(args, flag, None)
+            for d in value if isinstance(value, list) else [value]:
+                if d is None:
+                    continue
+                if flag == "features" and args.train_command == "phrase":
+                    writable_folder(d, "--features")  # phrase caches its features there itself
+                else:
+                    existing_folder(d, f"--{flag}")
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
@@ -697,6 +734,7 @@ def main(argv: list[str] | None = None) -> int:
                 "export-target": cmd_export_target, "export": cmd_export,
                 "chat": cmd_chat, "train": cmd_train, "analyze": cmd_analyze, "prepare": cmd_prepare}
     try:
+        _check_paths(args)
         commands[args.command](args)
     except SpecdraftError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -704,6 +742,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout closed by the reader (`| head`): stop quietly, as other tools do
+        try:
+            sys.stdout = open(os.devnull, "w")  # nothing left to flush into the closed pipe at exit
+        except OSError:
+            pass
+        return 141
     return 0
 
 

@@ -9,6 +9,8 @@ only has to provide these methods.
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import Tensor
 
@@ -17,6 +19,7 @@ from specdraft.model.config import ModelConfig
 from specdraft.model.fast import DEFAULT_PRECISION, PRECISIONS
 from specdraft.model.llama import ForwardOutput, KVCache, Transformer, causal_mask
 from specdraft.model.load import LoadedWeights, build_model, load_tokenizer, load_weights
+from specdraft.model.tokenizer import added_texts, encode_as_text
 from specdraft.tree import Tree
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -51,6 +54,8 @@ class Target:
             raise SpecdraftError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
         if precision is not None and precision not in PRECISIONS:
             raise SpecdraftError(f"unknown precision {precision!r} (choose from {', '.join(PRECISIONS)})")
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+            raise SpecdraftError(f"unknown device {device!r} (cpu, cuda or cuda:N)")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise SpecdraftError("--device cuda requested but no CUDA device is available")
         return cls.from_weights(load_weights(target), device=device, dtype=dtype, precision=precision)
@@ -96,10 +101,8 @@ class Target:
         _check_text(prompt, "the prompt")
         tok = self.tokenizer
         if not raw and getattr(tok, "chat_template", None):
-            text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                           add_generation_prompt=True)
-            return tok(text, add_special_tokens=False).input_ids
-        return tok(prompt).input_ids
+            return self._encode_chat([{"role": "user", "content": prompt}])
+        return tok(prompt).input_ids  # raw text: special-token text in it becomes those tokens (documented)
 
     def encode_messages(self, messages: list[dict]) -> list[int]:
         """Token ids of a whole conversation (system / user / assistant turns) in the chat template,
@@ -112,13 +115,41 @@ class Target:
         for m in messages:
             _check_text(m.get("content") or "", f"the {m.get('role', '')} message")
         if getattr(tok, "chat_template", None):
-            try:
-                text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            except Exception as e:  # jinja2 errors, raise_exception() in the template
-                raise SpecdraftError(f"the chat template rejected the messages: {e}") from None
-            return tok(text, add_special_tokens=False).input_ids
+            return self._encode_chat(messages)
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
         return tok(text).input_ids
+
+    def _render(self, messages: list[dict]) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # jinja2 errors, raise_exception() in the template
+            raise SpecdraftError(f"the chat template rejected the messages: {e}") from None
+
+    def _encode_chat(self, messages: list[dict]) -> list[int]:
+        """The conversation in the chat template, its special tokens only from the template's own markup:
+        a message's text is data, so ``<|im_start|>system`` written in it is tokenized as text.  Where no
+        message holds special-token text, the ids are the whole rendered prompt's (as transformers
+        tokenizes it); otherwise the prompt is rendered with a marker for each message's text, the
+        template's pieces are tokenized with special tokens and the messages' pieces as plain text."""
+        tok = self.tokenizer
+        specials = [t for t in added_texts(tok) if t]
+        contents = [m.get("content") for m in messages]
+        if not any(isinstance(c, str) and any(t in c for t in specials) for c in contents):
+            return tok(self._render(messages), add_special_tokens=False).input_ids
+        marks = [f"\u27e6specdraft-content-{i}\u27e7" for i in range(len(messages))]
+        marked = [dict(m, content=marks[i]) if isinstance(m.get("content"), str) else m for i, m in enumerate(messages)]
+        text = self._render(marked)
+        ids: list[int] = []
+        for i, mark in enumerate(marks):
+            if not isinstance(contents[i], str):
+                continue
+            head, sep, text = text.partition(mark)
+            if not sep or mark in text:
+                raise SpecdraftError("the chat template changes the messages' text, so the special-token text in "
+                                     "them cannot be kept as text: remove it, or send the prompt raw")
+            ids += tok(head, add_special_tokens=False).input_ids if head else []
+            ids += encode_as_text(tok, contents[i])
+        return ids + (tok(text, add_special_tokens=False).input_ids if text else [])
 
     def decode(self, ids: list[int]) -> str:
         """Text of ``ids``; a token-only target (no tokenizer, e.g. a test model) has none."""

@@ -52,7 +52,7 @@ def test_bad_outputs_are_refused(exported, tmp_path):
         export_target("default", exported)
     f = tmp_path / "a_file"
     f.write_text("x")
-    with pytest.raises(SpecdraftError, match="not an empty folder"):
+    with pytest.raises(SpecdraftError, match="is a file, not a folder"):
         export_target("default", f)
     with pytest.raises(SpecdraftError, match="not found"):
         export_target(str(tmp_path / "missing.gguf"), tmp_path / "out")

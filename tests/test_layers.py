@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1] / "specdraft"
 
 # module (or package prefix) -> layer; the longest matching prefix wins
 LAYERS = {
-    "specdraft.errors": 0, "specdraft.tree": 0, "specdraft.verify": 0, "specdraft.search": 0,
+    "specdraft.errors": 0, "specdraft.paths": 0, "specdraft.tree": 0, "specdraft.verify": 0, "specdraft.search": 0,
     "specdraft.model": 1,
     "specdraft.target": 2,
     "specdraft.nn": 3,

@@ -106,12 +106,16 @@ def weights_path(name: str) -> Path:
 
 def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
     """``NAME[@key=value,...]`` -> (NAME, options); e.g. ``phrase@ngram=0,top_n=4``."""
-    name, _, rest = spec.partition("@")
+    name, at, rest = spec.partition("@")
+    if at and not rest.strip(","):
+        raise SpecdraftError(f"drafter {spec!r} has an '@' but no options (NAME@key=value,...)")
     opts = {}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
-        if not eq or not key:
+        if not eq or not key.strip():
             raise SpecdraftError(f"drafter option {item!r} in {spec!r} is not key=value")
+        if key.strip() in opts:
+            raise SpecdraftError(f"drafter option {key.strip()!r} is given twice in {spec!r}")
         opts[key.strip()] = value.strip()
     return name, opts
 
@@ -157,7 +161,7 @@ def make_drafter(spec: str, target=None, budget: int | None = None) -> Drafter:
     name, raw = parse_spec(spec)
     if "budget" in raw:  # NAME@budget=N: this drafter's node budget (any drafter)
         value = raw.pop("budget")
-        if not value.isdigit():
+        if not (value.isascii() and value.isdigit()):  # str.isdigit() also takes "²", which int() does not
             raise SpecdraftError(f"drafter option budget must be an integer >= 0 (got {value!r})")
         budget = int(value)
     any_target = raw.pop("any_target", "0")  # NAME@any_target=1: a trained drafter on another quantization

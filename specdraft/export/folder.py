@@ -9,11 +9,15 @@ from pathlib import Path
 from typing import Iterator
 
 from specdraft.errors import SpecdraftError
+from specdraft.paths import writable_folder
 
 
 def check_out(out: str | Path, force: bool) -> Path:
     """``out`` as a Path, refused if it exists and is not an empty folder (unless ``force``) or is a file."""
     out = Path(out).expanduser()
+    if out.is_symlink():
+        raise SpecdraftError(f"{out} is a symbolic link; the export writes a folder of its own there (remove the link)")
+    writable_folder(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         if not out.is_dir():
             raise SpecdraftError(f"{out} exists and is not an empty folder (it is a file)")

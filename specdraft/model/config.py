@@ -44,7 +44,10 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
-        """Build from a Hugging Face ``config.json`` dictionary."""
+        """Build from a Hugging Face ``config.json`` dictionary (types and ranges checked: a malformed file
+        is one SpecdraftError naming the field)."""
+        if not isinstance(hf, dict):
+            raise SpecdraftError(f"config.json holds a {type(hf).__name__}, not an object")
         arch = hf.get("model_type", "")
         if arch not in SUPPORTED_ARCHS:
             raise SpecdraftError(
@@ -54,9 +57,39 @@ class ModelConfig:
                                "num_attention_heads") if k not in hf]
         if missing:
             raise SpecdraftError(f"config.json lacks {', '.join(missing)}")
+        def count(key: str, default=None, minimum: int = 1):
+            v = hf.get(key, default)
+            if v is None:
+                return None
+            if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+                raise SpecdraftError(f"config.json: {key} is {v!r}, not a whole number >= {minimum}")
+            return v
+
+        def number(key: str, default: float) -> float:
+            v = hf.get(key, default)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v == float("inf"):
+                raise SpecdraftError(f"config.json: {key} is {v!r}, not a positive number")
+            return float(v)
+
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            if count(key) is None:
+                raise SpecdraftError(f"config.json: {key} is null")
+        for key in ("num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window"):
+            count(key)
+        number("rms_norm_eps", 1e-6)
+        for key in ("rope_parameters", "rope_scaling"):
+            if hf.get(key) is not None and not isinstance(hf[key], dict):
+                raise SpecdraftError(f"config.json: {key} is {hf[key]!r}, not an object")
         heads = hf["num_attention_heads"]
+        kv = hf.get("num_key_value_heads") or heads
+        if heads % kv:
+            raise SpecdraftError(f"config.json: {heads} attention heads cannot share {kv} key/value heads evenly")
+        if not hf.get("head_dim") and hf["hidden_size"] % heads:
+            raise SpecdraftError(f"config.json: hidden_size {hf['hidden_size']} is not a multiple of {heads} heads")
         rope = hf.get("rope_parameters") or {}
         theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+            raise SpecdraftError(f"config.json: rope_theta is {theta!r}, not a positive number")
         scaling = hf.get("rope_scaling")
         if scaling is None and rope.get("rope_type", "default") != "default":
             scaling = rope
@@ -66,8 +99,15 @@ class ModelConfig:
                 scaling = None
             elif kind != "llama3":
                 raise SpecdraftError(f"unsupported rope scaling {kind!r} (supported: llama3)")
+            else:
+                for key in ("factor", "original_max_position_embeddings"):
+                    v = scaling.get(key)
+                    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                        raise SpecdraftError(f"config.json: rope scaling {key} is {v!r}, not a positive number")
         eos = hf.get("eos_token_id")
-        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else eos)
+        if not isinstance(eos_ids, list) or not all(isinstance(e, int) and not isinstance(e, bool) for e in eos_ids):
+            raise SpecdraftError(f"config.json: eos_token_id is {eos!r}, not a token id or a list of them")
         window = hf.get("sliding_window") if hf.get("use_sliding_window", arch == "mistral") else None
         return cls(
             arch=arch,

@@ -75,6 +75,7 @@ class Tokenizer:
         wrap = self.folder / WRAP_FILE
         self._wrap = json.loads(wrap.read_text()) if wrap.is_file() else None
         self._hf = None
+        self._text_only = None  # the backend again, with special-token matching off (encode_as_text)
 
     @property
     def hf(self):
@@ -92,6 +93,21 @@ class Tokenizer:
 
     def __call__(self, text: str, add_special_tokens: bool = True) -> Encoding:
         return Encoding(self._tk.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def added_texts(self) -> list[str]:
+        """The text of every added token (the special tokens among them): what ``__call__`` turns into
+        those tokens wherever it appears."""
+        return [t.content for t in self._tk.get_added_tokens_decoder().values()]
+
+    def encode_as_text(self, text: str) -> list[int]:
+        """Ids of ``text`` with any special-token text in it tokenized as plain text (a user cannot write
+        ``<|im_start|>`` into a prompt and get the token)."""
+        if self._text_only is None:
+            from tokenizers import Tokenizer as Backend
+
+            self._text_only = Backend.from_str(self._tk.to_str())
+            self._text_only.encode_special_tokens = True
+        return self._text_only.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         text = self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -113,3 +129,17 @@ def _clean_up(text: str) -> str:
                  (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
         text = text.replace(a, b)
     return text
+
+
+def added_texts(tok) -> list[str]:
+    """``Tokenizer.added_texts`` for this project's tokenizer or a transformers one."""
+    if isinstance(tok, Tokenizer):
+        return tok.added_texts()
+    return [t.content for t in tok.added_tokens_decoder.values()]
+
+
+def encode_as_text(tok, text: str) -> list[int]:
+    """``Tokenizer.encode_as_text`` for this project's tokenizer or a transformers one."""
+    if isinstance(tok, Tokenizer):
+        return tok.encode_as_text(text)
+    return tok(text, add_special_tokens=False, split_special_tokens=True).input_ids

@@ -56,10 +56,15 @@ def load_checkpoint(path: str | Path, target_hash: str | None = None, kind: str 
         raise SpecdraftError(f"checkpoint {path} is corrupt or not a safetensors file ({e})") from None
     if MANIFEST_KEY not in meta:
         raise SpecdraftError(f"checkpoint {path} has no specdraft manifest")
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise SpecdraftError(f"checkpoint {path}: tensor {name} holds NaN or infinite values")
     try:
         manifest = json.loads(meta[MANIFEST_KEY])
     except json.JSONDecodeError:
         raise SpecdraftError(f"checkpoint {path} has a corrupt manifest") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("kind"), str):
+        raise SpecdraftError(f"checkpoint {path} has a corrupt manifest (not an object with a drafter kind)")
     if kind is not None and manifest.get("kind") != kind:
         raise SpecdraftError(f"checkpoint {path} is a {manifest.get('kind')!r} drafter, not {kind!r}")
     if target_hash is not None and manifest.get("target_hash") != target_hash:
@@ -78,6 +83,14 @@ def check_fits(cfg, target, path: str | Path) -> None:
     if cfg.hidden_size != tcfg.hidden_size or cfg.vocab_size != tcfg.vocab_size:
         raise SpecdraftError(f"checkpoint {path} does not fit the target (hidden size {cfg.hidden_size}, "
                              f"vocabulary {cfg.vocab_size})")
+    shape = ("num_heads", "num_kv_heads", "head_dim", "intermediate_size")  # drafter layers take the target's shape
+    off = [f"{k} {getattr(cfg, k)} (the target's: {getattr(tcfg, k)})" for k in shape if getattr(cfg, k) != getattr(tcfg, k)]
+    if off:
+        raise SpecdraftError(f"checkpoint {path} does not fit the target: {', '.join(off)}")
+    if not 0 <= cfg.draft_vocab <= tcfg.vocab_size:
+        raise SpecdraftError(f"checkpoint {path}: draft_vocab {cfg.draft_vocab} is not in 0 .. {tcfg.vocab_size}")
+    if not -1 <= getattr(cfg, "mask_token", -1) < tcfg.vocab_size:
+        raise SpecdraftError(f"checkpoint {path}: mask_token {cfg.mask_token} is not a token of the target")
     tcfg.check_layers(cfg.feature_layers, f"checkpoint {path}: its target layer")
 
 
@@ -85,7 +98,10 @@ def checkpoint_kind(path: str | Path) -> str:
     """The drafter kind a checkpoint's manifest states ("phrase", "hybrid", "eagle3", "block")."""
     try:
         with safe_open(str(path), framework="pt") as f:
-            return json.loads((f.metadata() or {})[MANIFEST_KEY])["kind"]
+            kind = json.loads((f.metadata() or {})[MANIFEST_KEY])["kind"]
+        if not isinstance(kind, str):
+            raise TypeError(kind)
+        return kind
     except Exception:  # safetensors' own error types, a missing key, bad JSON: all the same to the user
         raise SpecdraftError(f"{path} is not a specdraft drafter checkpoint (corrupt or missing manifest)") from None
 
@@ -111,16 +127,27 @@ def load_draft_model(target, path: str | Path, kind: str, any_target: bool = Fal
         if kind == "phrase":
             hcfg = PhraseHeadConfig(**manifest["head"])
             vocab = PhraseVocab.from_json(manifest["vocab"])
+            if (hcfg.hidden_size != target.config.hidden_size or len(vocab) != hcfg.vocab_size
+                    or not isinstance(hcfg.bottleneck, int) or not 1 <= hcfg.bottleneck <= 1 << 16):
+                raise SpecdraftError(f"checkpoint {path} does not fit the target (hidden size {hcfg.hidden_size}, "
+                                     f"{hcfg.vocab_size} entries for a vocabulary of {len(vocab)}, bottleneck "
+                                     f"{hcfg.bottleneck!r})")
+            n = target.config.vocab_size
+            bad = next((e for e in vocab.expansions if not e or not all(
+                isinstance(x, int) and not isinstance(x, bool) and 0 <= x < n for x in e)), None)
+            if bad is not None:
+                raise SpecdraftError(f"its phrase vocabulary holds {bad!r}: each entry must be 1 or more token ids "
+                                     f"in [0, {n})")
             head = PhraseHead(hcfg)
             head.load_state_dict({k: v.float() for k, v in tensors.items()})
-            if hcfg.hidden_size != target.config.hidden_size or len(vocab) != hcfg.vocab_size:
-                raise SpecdraftError(f"checkpoint {path} does not fit the target (hidden size {hcfg.hidden_size})")
             return DraftCheckpoint(head.to(target.device), manifest, vocab)
         config_cls, model_cls = MODELS[kind]
         cfg = config_cls.from_json(manifest["config"])
         check_fits(cfg, target, path)
         model = model_cls(cfg, tm.embed.weight, tm.lm_head.weight, tensors["vocab_ids"].to(tm.device))
         model.load_state_dict(tensors)
-    except (KeyError, TypeError, RuntimeError, IndexError) as e:
+    except (KeyError, TypeError, RuntimeError, IndexError, ValueError, AttributeError) as e:
         raise SpecdraftError(f"checkpoint {path} does not hold a valid {kind} drafter ({e})") from None
+    except SpecdraftError as e:  # a field of its manifest's config
+        raise SpecdraftError(f"checkpoint {path}: {e}") from None
     return DraftCheckpoint(model.to(device=target.device, dtype=tm.dtype), manifest)

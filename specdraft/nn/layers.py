@@ -8,12 +8,16 @@ whatever the drafter's dtype (a bfloat16 angle would shift every position).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
+from types import UnionType
+from typing import Union, get_args, get_origin, get_type_hints
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from specdraft.errors import SpecdraftError
 from specdraft.model.fast import FastWeight, quantize_linears
 from specdraft.model.llama import RMSNorm, apply_rope, rope_inv_freq, rope_rotation
 from specdraft.model.packed import prepack_model
@@ -42,9 +46,43 @@ class TargetShape:
 
     @classmethod
     def from_json(cls, d: dict):
-        """From a checkpoint manifest's ``config`` (keys this version does not know are ignored)."""
+        """From a checkpoint manifest's ``config`` (keys this version does not know are ignored), each value
+        checked against its field's type (a malformed manifest is one SpecdraftError naming the field)."""
+        if not isinstance(d, dict):
+            raise SpecdraftError(f"its config is a {type(d).__name__}, not an object")
+        hints = get_type_hints(cls)
         names = {f.name for f in fields(cls)}
+        for k, v in d.items():
+            if k in names and not _fits_type(v, hints[k]):
+                raise SpecdraftError(f"config field {k} is {v!r}, not of type {hints[k]}")
+            if k in names and k not in _SIZES and hints[k] is int and not -1 <= v <= MAX_COUNT:
+                raise SpecdraftError(f"config field {k} is {v}, outside -1 .. {MAX_COUNT}")  # counts of layers, heads, steps
         return cls(**{k: v for k, v in d.items() if k in names})
+
+
+MAX_COUNT = 32  # the largest layer / head / step / position count a drafter config may state (shipped: <= 8)
+_SIZES = ("hidden_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "draft_vocab",
+          "mask_token")  # checked against the target instead (nn.checkpoint.check_fits)
+
+
+def _fits_type(value, hint) -> bool:
+    """Whether a JSON value can be a dataclass field of type ``hint`` (int, float, bool, str, tuple[int, ...], or
+    X | None of those)."""
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if hint is str:
+        return isinstance(value, str)
+    origin, args = get_origin(hint), get_args(hint)
+    if origin is tuple:
+        item = args[0] if args else object
+        return isinstance(value, (list, tuple)) and all(_fits_type(x, item) for x in value)
+    if origin in (Union, UnionType):
+        return any(_fits_type(value, a) for a in args if a is not type(None)) or (value is None and type(None) in args)
+    return True  # a type this check does not know: the dataclass's own __post_init__ checks it
 
 
 class DraftLayer(nn.Module):

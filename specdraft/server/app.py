@@ -18,6 +18,7 @@ generations are cancelled and each ends properly: a stream with an ``error`` eve
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import signal
@@ -57,6 +58,7 @@ __version__ = _version()
 
 MAX_BODY_BYTES = 4 << 20
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+BODY_TIMEOUT_S = 30.0  # a request body must arrive within this long (then 408 and the connection closes)
 GRACE_S = 5  # on shutdown, open requests get this long to finish before their generations are cancelled
 STOP_S = 2  # then this long to end their responses (error event and [DONE]; 503) before uvicorn cuts them
 
@@ -114,7 +116,11 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
 
     def prompt_ids(self, queue: RequestQueue) -> list[int]:
-        return queue.target.encode_messages([m.as_template_turn() for m in self.messages])
+        turns = [m.as_template_turn() for m in self.messages]
+        if any(t["role"] == "user" and not t["content"].strip() for t in turns):
+            raise _BadRequest("messages: a user message is empty (as `specdraft generate` refuses an empty prompt)",
+                              "messages")
+        return queue.target.encode_messages(turns)
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -205,13 +211,38 @@ def _sse(obj: dict | str) -> str:
 
 
 # ---------------------------------------------------------------------- the app
-def create_app(queue: RequestQueue, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+class _ApiKey:
+    """ASGI middleware: every HTTP route but ``/health`` wants ``Authorization: Bearer <key>`` (compared in
+    constant time), else 401.  Plain ASGI, so a route still sees its client disconnect."""
+
+    def __init__(self, app, key: bytes) -> None:
+        self.app, self.key = app, key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            auth = dict(scope.get("headers") or []).get(b"authorization", b"")
+            scheme, _, given = auth.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.key):
+                response = _error(401, "a valid API key is required (Authorization: Bearer KEY)",
+                                  code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(queue: RequestQueue, max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None,
+               body_timeout_s: float = BODY_TIMEOUT_S) -> FastAPI:
+    """The HTTP app over ``queue``.  With ``api_key``, every route but ``/health`` wants
+    ``Authorization: Bearer <api_key>`` (compared in constant time) and answers 401 otherwise."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
         queue.shutdown()
 
-    app = FastAPI(title="specdraft", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="specdraft", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    if api_key is not None:
+        app.add_middleware(_ApiKey, key=api_key.encode())
     app.state.queue = queue
     created = int(time.time())
     fingerprint = f"specdraft-{__version__}-{queue.drafter.name}"
@@ -255,34 +286,49 @@ def create_app(queue: RequestQueue, max_body_bytes: int = MAX_BODY_BYTES) -> Fas
 
     async def read_body(request: Request) -> bytes:
         declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+        if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > max_body_bytes:
             raise _BadRequest(f"the body is over {max_body_bytes} bytes", status=413)
         body = bytearray()
-        async for chunk in request.stream():
+        chunks = request.stream().__aiter__()
+        deadline = time.monotonic() + body_timeout_s
+        while True:  # a client that stops sending (a short body, a chunked body without its framing) is cut off
+            try:
+                chunk = await asyncio.wait_for(chunks.__anext__(), max(deadline - time.monotonic(), 0.001))
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                raise _BadRequest(f"the request body did not arrive within {body_timeout_s:g} s", status=408,
+                                  code="request_timeout") from None
             body += chunk
             if len(body) > max_body_bytes:
                 raise _BadRequest(f"the body is over {max_body_bytes} bytes", status=413)
         return bytes(body)
 
+    def parse(body: bytes, schema: type[_Common]):
+        """Validation, the chat template and tokenizing: run on a worker thread, never on the event loop
+        (a large prompt must not hold up /health or the streams)."""
+        req = schema.model_validate_json(body)
+        if req.model != queue.model_id:
+            raise _BadRequest(f"model {req.model!r} not found (this server has {queue.model_id!r}; "
+                              "see GET /v1/models)", "model", code="model_not_found")
+        limit = req.limit()
+        if limit is not None and limit > queue.context:
+            raise _BadRequest(f"max_tokens must be <= the model's context of {queue.context} "
+                              f"(got {limit})", "max_tokens")
+        stops = req.stops()
+        ids = req.prompt_ids(queue)
+        queue.check_prompt(ids)
+        return req, ids, queue.config(limit, req.temperature, req.top_p, req.top_k, req.seed, stops)
+
     async def handle(request: Request, schema: type[_Common], kind: _Kind):
         try:
-            req = schema.model_validate_json(await read_body(request))
-            if req.model != queue.model_id:
-                raise _BadRequest(f"model {req.model!r} not found (this server has {queue.model_id!r}; "
-                                  "see GET /v1/models)", "model", code="model_not_found")
-            limit = req.limit()
-            if limit is not None and limit > queue.context:
-                raise _BadRequest(f"max_tokens must be <= the model's context of {queue.context} "
-                                  f"(got {limit})", "max_tokens")
-            stops = req.stops()
-            ids = req.prompt_ids(queue)
-            queue.check_prompt(ids)
-            cfg = queue.config(limit, req.temperature, req.top_p, req.top_k, req.seed, stops)
+            req, ids, cfg = await asyncio.to_thread(parse, await read_body(request), schema)
         except ValidationError as e:
             msg, param = _describe(e)
             return _error(400, msg, param=param)
-        except _BadRequest as e:
-            return _error(e.status, e.message, e.type, e.param, e.code)
+        except _BadRequest as e:  # a body that never arrived: the connection is closed, not kept alive
+            return _error(e.status, e.message, e.type, e.param, e.code,
+                          headers={"Connection": "close"} if e.status == 408 else None)
         except SpecdraftError as e:
             return _error(400, str(e))
         except ClientDisconnect:  # the client left while its body was being read: nothing to answer
@@ -446,11 +492,12 @@ class ServerThread:
         self.sock.close()
 
 
-def serve(queue: RequestQueue, host: str = "127.0.0.1", port: int = 8000, quiet: bool = False) -> None:
+def serve(queue: RequestQueue, host: str = "127.0.0.1", port: int = 8000, quiet: bool = False,
+          api_key: str | None = None) -> None:
     """Run the server until Ctrl-C (or SIGTERM): HTTP on a thread, the queue's loop (all the model's work) on
     this one, the thread that loaded the model (``server.queue``'s docstring says why).  The first signal
     starts the graceful shutdown (``_Server``), a second one cuts it short."""
-    config = uvicorn.Config(create_app(queue), host=host, port=port, log_level="warning" if quiet else "info",
+    config = uvicorn.Config(create_app(queue, api_key=api_key), host=host, port=port, log_level="warning" if quiet else "info",
                             access_log=not quiet)
     server = _Server(config, queue, GRACE_S)
     http = threading.Thread(target=server.run, name="specdraft-http", daemon=True)

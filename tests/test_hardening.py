@@ -342,3 +342,37 @@ def test_a_stalled_body_is_closed_after_the_timeout(raw, tiny_chat_target):
         s.close()
     status = data.split(b"\r\n", 1)[0]
     assert status in (b"HTTP/1.1 408 Request Timeout", b"HTTP/1.1 400 Bad Request"), data[:200]
+
+
+def test_an_aborted_request_leaves_no_unretrieved_future(tiny_chat_target, caplog):
+    """A client that leaves a non-streaming request: its generation is cancelled, and nothing logs "Future
+    exception was never retrieved" when the abandoned future is collected."""
+    import gc
+    import http.client
+    import json
+    import logging
+    import time
+
+    from specdraft.server.app import ServerThread, create_app
+    from specdraft.server.queue import RequestQueue
+    from specdraft.target import Target
+
+    from test_server import SlowDrafter, wait_idle
+
+    twin = Target(tiny_chat_target.model, tiny_chat_target.tokenizer, tiny_chat_target.name, tiny_chat_target.weight_hash)
+    queue = RequestQueue(Engine(twin, SlowDrafter()), model_id="slow", max_queue=1, default_max_tokens=200)
+    caplog.set_level(logging.ERROR, logger="asyncio")
+    with ServerThread(create_app(queue)) as srv:
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+        conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json"},
+                     body=json.dumps({"model": "slow", "prompt": "Once upon a time", "max_tokens": 200}))
+        deadline = time.monotonic() + 5
+        while queue.load()["running"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        conn.close()
+        wait_idle(queue, timeout=10)
+        assert queue.cancelled == 1
+        time.sleep(0.5)  # the server loop takes the cancelled outcome
+        gc.collect()
+    gc.collect()
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]

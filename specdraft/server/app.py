@@ -358,6 +358,8 @@ def create_app(queue: RequestQueue, max_body_bytes: int = MAX_BODY_BYTES, api_ke
                 break
             if await request.is_disconnected():
                 job.cancel.set()
+                # nobody awaits its end now: take its outcome when it comes ("Future exception was never retrieved")
+                fut.add_done_callback(lambda f: f.cancelled() or f.exception())
                 return _error(499, "client closed the request")
         try:
             r = fut.result()

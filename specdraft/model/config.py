@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from specdraft.errors import SpecdraftError
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def check_int(what: str, value, minimum: int = 1) -> int:
+    """``value`` if it is a whole number >= ``minimum`` (not a bool, a str, a float), else one SpecdraftError
+    naming ``what`` (e.g. "config.json: hidden_size", "FILE: metadata llama.block_count")."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise SpecdraftError(f"{what} is {value!r}, not a whole number >= {minimum}")
+    return value
+
+
+def check_positive(what: str, value) -> float:
+    """``value`` as a float if it is a finite number > 0, else one SpecdraftError naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise SpecdraftError(f"{what} is {value!r}, not a positive number")
+    return float(value)
 
 
 @dataclass
@@ -57,26 +73,14 @@ class ModelConfig:
                                "num_attention_heads") if k not in hf]
         if missing:
             raise SpecdraftError(f"config.json lacks {', '.join(missing)}")
-        def count(key: str, default=None, minimum: int = 1):
-            v = hf.get(key, default)
-            if v is None:
-                return None
-            if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-                raise SpecdraftError(f"config.json: {key} is {v!r}, not a whole number >= {minimum}")
-            return v
-
-        def number(key: str, default: float) -> float:
-            v = hf.get(key, default)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v == float("inf"):
-                raise SpecdraftError(f"config.json: {key} is {v!r}, not a positive number")
-            return float(v)
-
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-            if count(key) is None:
+            if hf[key] is None:
                 raise SpecdraftError(f"config.json: {key} is null")
+            check_int(f"config.json: {key}", hf[key])
         for key in ("num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window"):
-            count(key)
-        number("rms_norm_eps", 1e-6)
+            if hf.get(key) is not None:
+                check_int(f"config.json: {key}", hf[key])
+        check_positive("config.json: rms_norm_eps", hf.get("rms_norm_eps", 1e-6))
         for key in ("rope_parameters", "rope_scaling"):
             if hf.get(key) is not None and not isinstance(hf[key], dict):
                 raise SpecdraftError(f"config.json: {key} is {hf[key]!r}, not an object")
@@ -88,8 +92,7 @@ class ModelConfig:
             raise SpecdraftError(f"config.json: hidden_size {hf['hidden_size']} is not a multiple of {heads} heads")
         rope = hf.get("rope_parameters") or {}
         theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
-        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
-            raise SpecdraftError(f"config.json: rope_theta is {theta!r}, not a positive number")
+        check_positive("config.json: rope_theta", theta)
         scaling = hf.get("rope_scaling")
         if scaling is None and rope.get("rope_type", "default") != "default":
             scaling = rope
@@ -101,9 +104,7 @@ class ModelConfig:
                 raise SpecdraftError(f"unsupported rope scaling {kind!r} (supported: llama3)")
             else:
                 for key in ("factor", "original_max_position_embeddings"):
-                    v = scaling.get(key)
-                    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                        raise SpecdraftError(f"config.json: rope scaling {key} is {v!r}, not a positive number")
+                    check_positive(f"config.json: rope scaling {key}", scaling.get(key))
         eos = hf.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else eos)
         if not isinstance(eos_ids, list) or not all(isinstance(e, int) and not isinstance(e, bool) for e in eos_ids):

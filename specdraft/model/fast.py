@@ -190,15 +190,6 @@ def q8_raw(w: Tensor) -> RawQuant:
     return RawQuant("Q8_0", w.shape[1], quantize(w.detach().float().cpu().numpy(), GGMLQuantizationType.Q8_0))
 
 
-def q8_blocks(state_dict: dict[str, Tensor]) -> dict[str, RawQuant]:
-    """Q8_0 blocks of every projection and the embedding / LM head of an fp32 state dict (an HF folder has
-    no GGUF blocks): what the fast mode reads for such a target.  Tensors whose width is not a
-    multiple of 32 are left out (the model then stays in the exact mode)."""
-    return {name: q8_raw(t) for name, t in state_dict.items()
-            if t.dim() == 2 and t.shape[1] % 32 == 0
-            and (name.endswith("_proj.weight") or name in ("model.embed_tokens.weight", "lm_head.weight"))}
-
-
 def rotation_table(max_positions: int, inv_freq: Tensor, start: int = 0) -> Tensor:
     """(cos, sin) of the RoPE angles of positions ``start .. max_positions-1``, fp32 [N, D/2, 2]: a pass
     looks its rows up, so a position's rotation is the same bits whatever the pass."""

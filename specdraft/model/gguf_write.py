@@ -11,7 +11,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
 from torch import Tensor
 
-from specdraft.model.blocks import quantize
+from specdraft.model.blocks import BLOCK_BYTES, block_inputs, quantize
 from specdraft.model.config import ModelConfig
 
 _HF_TO_GGUF = {
@@ -93,8 +93,6 @@ def random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator, std
     """[rows, row_bytes] random blocks of ``kind`` (``model.blocks.FORMATS``) whose weights spread about
     ``std``: random codes and sub-block scales, fp16 scales drawn near std / (their codes' spread), minimums
     that centre the codes.  Weights of no trained model; fast to make at any size."""
-    from specdraft.model.blocks import BLOCK_BYTES, block_inputs
-
     nb, size = cols // block_inputs(kind), BLOCK_BYTES[kind]
     data = rng.integers(0, 256, (rows, nb, size), dtype=np.uint8)
     d = (std / _CODE_STD[kind]) * rng.uniform(0.5, 1.5, (rows, nb))
@@ -185,8 +183,6 @@ def write_random_llama(path: Path, cfg: ModelConfig, tokenizer_from: Path, mix: 
             nbytes, shape, dt = rows * cols * 4, [cols] if rows == 1 else [rows, cols], np.dtype(np.float32)
             w.add_tensor_info(tname, shape, dt, nbytes)
         else:
-            from specdraft.model.blocks import BLOCK_BYTES, block_inputs
-
             row_bytes = cols // block_inputs(kind) * BLOCK_BYTES[kind]
             w.add_tensor_info(tname, [rows, row_bytes], np.dtype(np.uint8), rows * row_bytes,
                               raw_dtype=GGMLQuantizationType[kind])

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import math
 import os
 import shutil
 import warnings
@@ -23,7 +22,7 @@ from gguf.quants import dequantize
 from safetensors.torch import load_file
 
 from specdraft.errors import SpecdraftError
-from specdraft.model.config import ModelConfig
+from specdraft.model.config import ModelConfig, check_int, check_positive
 from specdraft.model.fast import PRECISIONS, q8_raw
 from specdraft.model import memory, packcache
 from specdraft.model.llama import BlockTable, Transformer, interleave_rope_rows, rope_inv_freq
@@ -145,28 +144,22 @@ def _gguf_key(name: str) -> str | None:
     read apart)."""
     parts = name.split(".")
     if parts[0] == "token_embd":
-        return "model.embed_tokens.weight"
+        return EMBED
     if parts[0] == "output_norm":
         return "model.norm.weight"
     if parts[0] == "output":
-        return "lm_head.weight"
+        return HEAD
     if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_NAMES:
         return f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
     return None
 
 
 def _positive(path: Path, key: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise SpecdraftError(f"{path}: metadata {key} is {value!r}, not a whole number >= {minimum}")
-    return value
+    return check_int(f"{path}: metadata {key}", value, minimum)
 
 
 def _float(path: Path, key: str, value, default: float) -> float:
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise SpecdraftError(f"{path}: metadata {key} is {value!r}, not a positive number")
-    return float(value)
+    return default if value is None else check_positive(f"{path}: metadata {key}", value)
 
 
 def _rope_scaling(path: Path, meta, arch: str) -> float | None:
@@ -210,9 +203,9 @@ def load_gguf(path: Path, name: str | None = None) -> LoadedWeights:
         key = _gguf_key(t.name)
         if key is not None:
             names[key] = t.name
-    if "model.embed_tokens.weight" not in names:
+    if EMBED not in names:
         raise SpecdraftError(f"{path}: no tensor token_embd.weight (the file holds {len(g.tensors)} tensors)")
-    embd = g.tensors[names["model.embed_tokens.weight"]]
+    embd = g.tensors[names[EMBED]]
     if len(embd.shape) != 2 or embd.shape[1] != hidden:
         raise SpecdraftError(f"{path}: token_embd.weight is {list(embd.shape)}, not [vocab, {hidden}]")
 
@@ -248,9 +241,8 @@ def load_gguf(path: Path, name: str | None = None) -> LoadedWeights:
                 quantized[key] = blocks(key)
         else:
             raise SpecdraftError(f"{path}: tensor {gname} has {len(t.shape)} dimensions")
-    for key in ("model.norm.weight",):
-        if key not in vectors:
-            raise SpecdraftError(f"{path}: no tensor output_norm.weight")
+    if "model.norm.weight" not in vectors:
+        raise SpecdraftError(f"{path}: no tensor output_norm.weight")
     rope_factors = None
     if "rope_freqs.weight" in g.tensors:  # llama3: inv_freq / factor per frequency, as llama.cpp applies it
         f = torch.from_numpy(dequantized("rope_freqs.weight").reshape(-1).copy())
@@ -274,7 +266,7 @@ def load_gguf(path: Path, name: str | None = None) -> LoadedWeights:
         rms_eps=_float(path, f"{arch}.attention.layer_norm_rms_epsilon", meta(f"{arch}.attention.layer_norm_rms_epsilon"), 1e-6),
         rope_theta=_float(path, f"{arch}.rope.freq_base", meta(f"{arch}.rope.freq_base"), 10000.0),
         max_position=_positive(path, f"{arch}.context_length", meta(f"{arch}.context_length", 4096)),
-        tie_embeddings="lm_head.weight" not in names,
+        tie_embeddings=HEAD not in names,
         qkv_bias="model.layers.0.self_attn.q_proj.bias" in names,
         qk_norm=arch == "qwen3",
         bos_token_id=bos if isinstance(bos, int) else None,
@@ -522,11 +514,9 @@ def check_memory(w: LoadedWeights, fast_only: bool) -> None:
         memory.check(w.name, "fast", packed + base,
                      f"{packed / memory.GiB:.1f} GiB of packed blocks, {kv / memory.GiB:.1f} GiB of KV cache and runtime")
     else:
-        hint = (f"; the fast mode would need {(packed + base) / memory.GiB:.1f} GiB"
-                if (memory.available() or 0) >= packed + base else "")
         memory.check(w.name, "exact", 2 * fp32 + blocks + base,
                      f"{fp32 / memory.GiB:.1f} GiB of fp32 weights, held twice while they load, the blocks, KV cache "
-                     f"and runtime", hint)
+                     f"and runtime", alternative=("fast", packed + base))
 
 
 def load_tokenizer(w: LoadedWeights):
@@ -535,21 +525,24 @@ def load_tokenizer(w: LoadedWeights):
     from specdraft.model.tokenizer import WRAP_FILE, Tokenizer, chat_wrap
 
     src, kwargs = w.tokenizer_source
+    cached = cache_dir() / "tokenizers" / w.weight_hash[:16]  # a GGUF's converted tokenizer; any target's chat wrap
+    hf = None
     if "gguf_file" not in kwargs:
         if not (Path(src) / "tokenizer.json").is_file():  # a slow-only tokenizer: transformers loads it
             return _hf_tokenizer(src)
         folder = Path(src)
     else:
-        folder = cache_dir() / "tokenizers" / w.weight_hash[:16]
+        folder = cached
         if not (folder / "tokenizer_config.json").is_file():
-            _convert_tokenizer(src, kwargs, folder)
-    wrap = folder / WRAP_FILE
-    if not wrap.is_file() and os.access(folder, os.W_OK):  # rendered once (transformers), then read
+            hf = _convert_tokenizer(src, kwargs, folder)
+    wrap = cached / WRAP_FILE
+    if not wrap.is_file():  # rendered once (transformers), then read
+        cached.mkdir(parents=True, exist_ok=True)
         tmp = wrap.with_name(f"{WRAP_FILE}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(chat_wrap(_hf_tokenizer(str(folder)))))
+        tmp.write_text(json.dumps(chat_wrap(hf if hf is not None else _hf_tokenizer(str(folder)))))
         os.replace(tmp, wrap)
     try:
-        return Tokenizer(folder)
+        return Tokenizer(folder, wrap)
     except Exception as e:  # noqa: BLE001 -- tokenizers raises its own exception type for a bad file
         raise SpecdraftError(f"cannot load the tokenizer from {folder}: {e}") from None
 
@@ -563,8 +556,8 @@ def _hf_tokenizer(src: str, **kwargs):
         raise SpecdraftError(f"cannot load the tokenizer from {src}: {e}") from None
 
 
-def _convert_tokenizer(src: str, kwargs: dict, cached: Path) -> None:
-    """A GGUF's tokenizer converted by transformers and saved at ``cached`` (atomically)."""
+def _convert_tokenizer(src: str, kwargs: dict, cached: Path):
+    """A GGUF's tokenizer converted by transformers and saved at ``cached`` (atomically); returns it."""
     tok = _hf_tokenizer(src, **kwargs)
     tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
     tok.save_pretrained(str(tmp))
@@ -572,3 +565,4 @@ def _convert_tokenizer(src: str, kwargs: dict, cached: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     else:
         os.replace(tmp, cached)
+    return tok

@@ -49,12 +49,15 @@ def kv_bytes(layers: int, kv_heads: int, head_dim: int, slots: int = KV_SLOTS) -
     return layers * 2 * kv_heads * head_dim * slots * 4
 
 
-def check(name: str, mode: str, need: int, parts: str, hint: str = "") -> None:
-    """Raise SpecdraftError when ``need`` bytes are more than this machine has available."""
+def check(name: str, mode: str, need: int, parts: str, alternative: tuple[str, int] | None = None) -> None:
+    """Raise SpecdraftError when ``need`` bytes are more than this machine has available; ``alternative``
+    (another mode, its need) is named in the message when that would fit."""
     if os.environ.get("SPECDRAFT_MEMORY_CHECK", "1") == "0":
         return
     have = available()
     if have is None or need <= have:
         return
+    hint = (f"; the {alternative[0]} mode would need {alternative[1] / GiB:.1f} GiB"
+            if alternative is not None and alternative[1] <= have else "")
     raise SpecdraftError(f"{name} needs about {need / GiB:.1f} GiB in the {mode} mode ({parts}), and this machine "
                          f"has {have / GiB:.1f} GiB available{hint} (SPECDRAFT_MEMORY_CHECK=0 tries anyway)")

@@ -58,7 +58,7 @@ class Tokenizer:
     """Encode, decode and the one-message chat prompt from a tokenizer folder; anything else from the
     transformers tokenizer of the same folder (``hf``), loaded when first needed."""
 
-    def __init__(self, folder: str | Path) -> None:
+    def __init__(self, folder: str | Path, wrap: str | Path | None = None) -> None:
         from tokenizers import Tokenizer as Backend  # the Rust library: milliseconds
 
         self.folder = Path(folder)
@@ -72,8 +72,9 @@ class Tokenizer:
         self._clean_spaces = bool(cfg.get("clean_up_tokenization_spaces", False)) and (
             type(self._tk.model).__name__ != "BPE"
             or bool(cfg.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)))
-        wrap = self.folder / WRAP_FILE
+        wrap = Path(wrap) if wrap is not None else self.folder / WRAP_FILE  # chat_wrap's JSON (the loader caches it)
         self._wrap = json.loads(wrap.read_text()) if wrap.is_file() else None
+        self._added = [t.content for t in self._tk.get_added_tokens_decoder().values()]
         self._hf = None
         self._text_only = None  # the backend again, with special-token matching off (encode_as_text)
 
@@ -97,7 +98,7 @@ class Tokenizer:
     def added_texts(self) -> list[str]:
         """The text of every added token (the special tokens among them): what ``__call__`` turns into
         those tokens wherever it appears."""
-        return [t.content for t in self._tk.get_added_tokens_decoder().values()]
+        return self._added
 
     def encode_as_text(self, text: str) -> list[int]:
         """Ids of ``text`` with any special-token text in it tokenized as plain text (a user cannot write

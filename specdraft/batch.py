@@ -1,7 +1,9 @@
 """Continuous batching: the target passes of many generations run as one (``serve --max-batch N``).
 
 Every live sequence owns a range of slots in one KV cache (``SlotCache``): its committed prefix sits at
-``base .. base+length-1``.  The slots after all ranges (from ``SlotCache.scratch``) take the rows of the
+``base .. base+length-1``.  A range starts at the prompt and a first stretch and doubles as the sequence
+grows (in place, or moved with its K/V), never ``prompt + max tokens`` up front; when sequences leave,
+the cache's free tail is given back.  The slots after all ranges (from ``SlotCache.scratch``) take the rows of the
 pass being run.  A pass concatenates, per sequence, a chunk of its prompt (while it prefills) or its
 draft tree into one row list [1, T]:
 
@@ -39,8 +41,9 @@ from specdraft.drafters.base import Drafter, NoDrafter
 from specdraft.engine import Cancelled, Engine
 from specdraft.drafters.budget import BATCH_RULE, batch_budget, batch_rows, load_cost_curve
 from specdraft.errors import SpecdraftError
-from specdraft.generate import Emitter, GenerateConfig, GenerationResult, GenerationStats, plan
+from specdraft.generate import Emitter, GenerateConfig, GenerationResult, GenerationStats, TokenLogprob, plan
 from specdraft.model.llama import ForwardOutput, KVCache, Transformer
+from specdraft.target import GROW_SLOTS
 from specdraft.tree import Tree
 from specdraft.verify import Accepted, argmax_rows, sample, verify
 
@@ -50,10 +53,12 @@ MAX_DEFERRED = 256  # passes a drafter may fall behind (while its sequence draft
 class SlotCache:
     """Slot ranges in one KV cache [L, 2, 1, Hkv, size + rows, D]: ranges ``[0, size)`` are handed out
     first fit; the ``rows`` slots after them (from ``scratch``) take a pass's rows.  When a range or a
-    pass does not fit, the cache is reallocated bigger, the ranges copied (their bases do not move)."""
+    pass does not fit, the cache is reallocated bigger, the ranges copied (their bases do not move).  A
+    range grows in place, or moves with its K/V (``extend``); ``shrink`` gives a free tail back."""
 
     def __init__(self, model: Transformer, size: int = 1024, rows: int = 64) -> None:
         self.model = model
+        self.initial = (size, rows)  # what ``shrink`` returns to
         self.size, self.rows = size, rows
         self.cache: KVCache = model.new_cache(1, size + rows)
         self.free: list[tuple[int, int]] = [(0, size)]  # (start, length), sorted by start, never adjacent
@@ -87,6 +92,42 @@ class SlotCache:
                 merged.append((s, length))
         self.free = merged
 
+    def extend(self, base: int, n: int, keep: int) -> int:
+        """The range at ``base``, now ``n`` slots (more than before): grown in place when the slots after it
+        are free, else moved to a new range with its first ``keep`` slots' K/V.  Returns its base.  A row
+        reads its sequence's slots in the same order wherever they lie, so a move changes no logit."""
+        cur = self.used[base]
+        if n <= cur:
+            return base
+        end = base + cur
+        tail = self.free[-1] if self.free and sum(self.free[-1]) == self.size else None
+        if end == self.size or (tail is not None and tail[0] == end and tail[1] < n - cur):
+            self._grow(max(2 * self.size, base + n), self.rows)  # the last range: the cache grows under it
+        for i, (s, length) in enumerate(self.free):
+            if s == end and length >= n - cur:
+                self.free[i:i + 1] = [(s + n - cur, length - n + cur)] if length > n - cur else []
+                self.used[base] = n
+                return base
+        new = self.alloc(n)
+        self.copy(list(range(base, base + keep)), list(range(new, new + keep)))
+        self.release(base)
+        return new
+
+    def shrink(self) -> None:
+        """Give memory back: with no range in use, return to the initial size; else cut the cache to the
+        larger of that and twice the end of the ranges in use, when this at least halves it.  The free
+        tail goes; no range moves."""
+        end = max((b + n for b, n in self.used.items()), default=0)
+        size, rows = max(self.initial[0], 2 * end), self.rows if self.used else self.initial[1]
+        if (size, rows) == (self.size, self.rows) or (self.used and 2 * (size + rows) > self.size + self.rows):
+            return
+        kept = self.cache.kv[..., :end, :].clone()  # at most half of it: the old cache goes before the new one
+        self.cache = None
+        self.cache = self.model.new_cache(1, size + rows)
+        self.cache.kv[..., :end, :] = kept
+        self.free = [(s, min(length, size - s)) for s, length in self.free if s < size]  # [end, size) stays free
+        self.size, self.rows = size, rows
+
     def fit_rows(self, t: int) -> None:
         """Room for a pass of ``t`` rows."""
         if t > self.rows:
@@ -119,8 +160,9 @@ class Sequence:
     drafter: Drafter
     emit: Emitter
     budget: int  # its own drafted nodes per tree (the cap of the batch rule)
-    base: int  # first slot of its range in the SlotCache
-    capacity: int  # slots in its range
+    base: int  # first slot of its range in the SlotCache (a range may move as it grows)
+    capacity: int  # slots in its range now (it grows as the sequence does, up to ``limit``)
+    limit: int  # slots the sequence may fill: prompt + max tokens + budget + 1 (``generate.Plan.slots``)
     cancel: threading.Event | None = None
     generator: torch.Generator | None = None  # its sampling stream (seeded as in ``generate``)
     length: int = 0  # committed slots (prompt rows prefilled, then committed tree rows)
@@ -185,14 +227,17 @@ class Batcher:
 
     # ------------------------------------------------------------------ admission
     def add(self, prompt_ids: list[int], config: GenerateConfig | None = None,
-            on_text: Callable[[str], None] | None = None, cancel: threading.Event | None = None) -> Sequence:
+            on_text: Callable[[str], None] | None = None, cancel: threading.Event | None = None,
+            on_logprobs: Callable[[list[TokenLogprob]], None] | None = None) -> Sequence:
         """Start a generation at the next pass (checks as ``generate``; refused when the batch is full)."""
         cfg = config or GenerateConfig()
         if len(self.live) >= self.max_batch:
             raise SpecdraftError(f"the batch is full ({self.max_batch} sequences)")
         p = plan(self.target, prompt_ids, self.drafter, cfg)
-        seq = Sequence(list(prompt_ids), cfg, self.drafter.fork(), Emitter(self.target, p.max_new, cfg.stop, on_text),
-                       p.budget, self.slots.alloc(p.slots), p.slots, cancel, p.generator)
+        first = min(p.slots, len(prompt_ids) + p.budget + 1 + GROW_SLOTS)  # the prompt and a first stretch
+        seq = Sequence(list(prompt_ids), cfg, self.drafter.fork(),
+                       Emitter(self.target, p.max_new, cfg.stop, on_text, cfg.logprobs, on_logprobs),
+                       p.budget, self.slots.alloc(first), first, p.slots, cancel, p.generator)
         self.live.append(seq)
         return seq
 
@@ -228,6 +273,8 @@ class Batcher:
         left = [s for s in self.live if s.cancel is not None and s.cancel.is_set()]
         for s in left:
             self._leave(s, Cancelled())
+        if left:
+            self.slots.shrink()
         decoding = [s for s in self.live if s.decoding]
         b = self.budget(len(decoding)) if decoding else None
         segments, rows, room = [], 0, self.prefill_rows
@@ -241,6 +288,7 @@ class Batcher:
         for s in decoding:
             t0 = time.perf_counter()
             try:
+                self._fit(s)
                 budget = min(b, s.budget)
                 if budget == 0 and len(s.deferred) < MAX_DEFERRED:
                     tree = Tree.single(s.root)  # drafts nothing: its drafter catches up later (``_catch_up``)
@@ -283,7 +331,16 @@ class Batcher:
         for s in left:
             if s in self.live:
                 self._leave(s, s.error)
+        if left:
+            self.slots.shrink()  # memory follows the load
         return left
+
+    def _fit(self, s: Sequence) -> None:
+        """Room in its range for the next tree and the one after (it doubles, at most to ``limit``)."""
+        need = s.length + s.budget + 2
+        if need > s.capacity:
+            n = min(s.limit, max(2 * s.capacity, need + GROW_SLOTS))
+            s.base, s.capacity = self.slots.extend(s.base, n, s.length), n
 
     def _check_tree(self, s: Sequence, tree: Tree, budget: int) -> None:
         """A tree that would write past its sequence's range or cannot be embedded fails that sequence only."""
@@ -332,7 +389,7 @@ class Batcher:
             first = argmax_rows(logits[None])[0] if cfg.sampling.greedy else sample(logits, cfg.sampling, s.generator)
             s.stats.prefill_s = time.perf_counter() - s.started
             s.decoding, s.root = True, first
-            s.emit.push([first])
+            s.emit.push([first], logits[None])
             if s.emit.done:
                 return True
             feats = {k: torch.cat([c[k] for c in s.features], 1) for k in s.features[0]} if s.features else {}
@@ -351,7 +408,8 @@ class Batcher:
         st.passes += 1
         st.tree_nodes += n - 1
         s.hist[len(acc.tokens)] += 1
-        s.committed += s.emit.push(acc.new_tokens)
+        rows = out.logits[0, seg.logit_row + torch.tensor(acc.path)] if s.config.logprobs is not None else None
+        s.committed += s.emit.push(acc.new_tokens, rows)
         if s.emit.done:
             return True
         s.root = acc.bonus
@@ -359,7 +417,7 @@ class Batcher:
             s.deferred.append((acc.new_tokens, {k: v[:, acc.path].clone() for k, v in hidden.items()}))
         else:
             s.drafter.commit(acc, ForwardOutput(logits=out.logits[:, seg.logit_row:seg.logit_row + n], hidden=hidden))
-        return s.length + s.budget + 2 > s.capacity  # context exhausted (as in ``generate``)
+        return s.length + s.budget + 2 > s.limit  # context exhausted (as in ``generate``)
 
     @staticmethod
     def _catch_up(s: Sequence) -> None:

@@ -17,7 +17,7 @@ from typing import Callable
 
 from specdraft.drafters import Drafter, NoDrafter, make_drafter
 from specdraft.errors import SpecdraftError
-from specdraft.generate import GenerateConfig, GenerationResult, check_budget, generate
+from specdraft.generate import GenerateConfig, GenerationResult, TokenLogprob, check_budget, generate
 from specdraft.model.fast import DEFAULT_PRECISION
 from specdraft.target import Target
 
@@ -75,7 +75,8 @@ class Engine:
 
     def generate(self, prompt_ids: list[int], config: GenerateConfig | None = None,
                  on_text: Callable[[str], None] | None = None, cancel: threading.Event | None = None,
-                 on_pass: Callable[[int], None] | None = None) -> GenerationResult:
+                 on_pass: Callable[[int], None] | None = None,
+                 on_logprobs: Callable[[list[TokenLogprob]], None] | None = None) -> GenerationResult:
         """``generate`` with this engine's target and drafter (see the module docstring for the hooks)."""
         drafter = self.drafter if cancel is None and on_pass is None else _Hooked(self.drafter, cancel, on_pass)
-        return generate(self.target, prompt_ids, drafter, config, on_text=on_text)
+        return generate(self.target, prompt_ids, drafter, config, on_text=on_text, on_logprobs=on_logprobs)

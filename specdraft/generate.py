@@ -14,11 +14,37 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
+from torch import Tensor
 
 from specdraft.drafters.base import Drafter, NoDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.target import Target
 from specdraft.verify import Sampling, argmax_rows, sample, verify
+
+
+MAX_TOP_LOGPROBS = 20  # the most alternatives a token's log-probabilities list (OpenAI's limit)
+
+
+@dataclass
+class TokenLogprob:
+    """The target's own log-probability of one emitted token: log_softmax of the raw logits (before temperature,
+    top-k or top-p) at the position that produced it, and the ``top`` most likely tokens there."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token, log-probability), most likely first
+
+
+def token_logprobs(rows: Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """rows: [n, V] the target's logits at the positions that produced ``tokens`` (n of them)."""
+    lp = torch.log_softmax(rows.float(), -1)
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+    if top:
+        vals, ids = lp.topk(min(top, lp.shape[-1]), -1)  # most likely first
+        alts = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+    else:
+        alts = [[] for _ in tokens]
+    return [TokenLogprob(t, c, a) for t, c, a in zip(tokens, chosen, alts)]
 
 
 @dataclass
@@ -28,6 +54,11 @@ class GenerateConfig:
     seed: int | None = None  # sampling seed (None = 0)
     stop: list[str] = field(default_factory=list)  # stop strings (cut from the text)
     budget: int | None = None  # drafted nodes per tree; None = the drafter's default
+    logprobs: int | None = None  # None: none; N >= 0: each token's log-probability and the N most likely (<= 20)
+
+    def __post_init__(self) -> None:
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise SpecdraftError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] (got {self.logprobs})")
 
 
 @dataclass
@@ -61,6 +92,7 @@ class GenerationResult:
     text: str
     finish_reason: str  # "stop" (EOS or stop string) or "length"
     stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids (``GenerateConfig.logprobs``)
 
 
 def check_budget(budget: int, target: Target) -> None:
@@ -113,29 +145,41 @@ def _first_stop(text: str, stops: list[str]) -> int:
 class Emitter:
     """The tokens a generation keeps and the text it streams.  ``push`` appends accepted tokens: EOS,
     ``max_new`` tokens or a stop string ends the generation (``done``, ``finish``); ``on_text`` gets
-    the text once no stop string can still start in it and no UTF-8 sequence is cut."""
+    the text once no stop string can still start in it and no UTF-8 sequence is cut.  With ``logprobs``
+    (``GenerateConfig.logprobs``) ``push`` also takes the logits rows that produced the tokens and keeps
+    each kept token's ``TokenLogprob``; ``on_logprobs`` gets them as they come, before the text they hold."""
 
-    def __init__(self, target: Target, max_new: int, stop: list[str], on_text: Callable[[str], None] | None) -> None:
+    def __init__(self, target: Target, max_new: int, stop: list[str], on_text: Callable[[str], None] | None,
+                 logprobs: int | None = None, on_logprobs: Callable[[list[TokenLogprob]], None] | None = None) -> None:
         self.target, self.max_new, self.stop, self.on_text = target, max_new, stop, on_text
+        self.top, self.on_logprobs = logprobs, on_logprobs
         self.eos = target.eos_ids
         self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = None if logprobs is None else []
         self.emitted = 0  # characters already streamed
         self.hold = max((len(x) for x in stop), default=1) - 1  # chars that might start a stop string
         self.finish = "length"
         self.done = False
 
-    def push(self, new: list[int]) -> int:
-        """Append accepted tokens; returns the tokens consumed (EOS included)."""
-        used = 0
+    def push(self, new: list[int], rows: Tensor | None = None) -> int:
+        """Append accepted tokens (``rows`` [len(new), V]: the logits that produced each, needed with
+        ``logprobs``); returns the tokens consumed (EOS included)."""
+        used = kept = 0
         for tok in new:
             used += 1
             if tok in self.eos:
                 self.finish, self.done = "stop", True
                 break
             self.tokens.append(tok)
+            kept += 1
             if len(self.tokens) >= self.max_new:
                 self.done = True
                 break
+        if self.logprobs is not None and kept:
+            entries = token_logprobs(rows[:kept], new[:kept], self.top)
+            self.logprobs += entries
+            if self.on_logprobs is not None:
+                self.on_logprobs(entries)
         if self.stop or self.on_text is not None:
             text = self.target.decode(self.tokens)
             cut = _first_stop(text, self.stop) if self.stop else -1
@@ -155,7 +199,8 @@ class Emitter:
             cut = _first_stop(text, self.stop)
             if cut >= 0:
                 text = text[:cut]
-        return GenerationResult(token_ids=self.tokens, text=text, finish_reason=self.finish, stats=stats)
+        return GenerationResult(token_ids=self.tokens, text=text, finish_reason=self.finish, stats=stats,
+                                logprobs=self.logprobs)
 
 
 def generate(
@@ -164,8 +209,10 @@ def generate(
     drafter: Drafter | None = None,
     config: GenerateConfig | None = None,
     on_text: Callable[[str], None] | None = None,
+    on_logprobs: Callable[[list[TokenLogprob]], None] | None = None,
 ) -> GenerationResult:
-    """Generate from ``prompt_ids``; ``on_text`` receives the text as it is accepted."""
+    """Generate from ``prompt_ids``; ``on_text`` receives the text as it is accepted, ``on_logprobs`` (with
+    ``config.logprobs``) its tokens' log-probabilities just before."""
     cfg = config or GenerateConfig()
     drafter = drafter or NoDrafter()
     p = plan(target, prompt_ids, drafter, cfg)
@@ -183,8 +230,8 @@ def generate(
         first = sample(last_logits, s, gen)
     stats.prefill_s = time.perf_counter() - t_start
 
-    emit = Emitter(target, max_new, cfg.stop, on_text)
-    emit.push([first])
+    emit = Emitter(target, max_new, cfg.stop, on_text, cfg.logprobs, on_logprobs)
+    emit.push([first], last_logits[None])
     done = emit.done
     if not done:
         drafter.reset(prompt_ids, first, out)
@@ -202,7 +249,8 @@ def generate(
         stats.passes += 1
         stats.tree_nodes += len(tree) - 1
         hist[len(acc.tokens)] += 1
-        committed_by_passes += emit.push(acc.new_tokens)
+        rows = out.logits[0, acc.path] if cfg.logprobs is not None else None  # row path[i] produced token i
+        committed_by_passes += emit.push(acc.new_tokens, rows)
         done = emit.done
         if not done:
             drafter.commit(acc, out)

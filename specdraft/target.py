@@ -22,6 +22,8 @@ from specdraft.model.load import LoadedWeights, build_model, load_tokenizer, loa
 from specdraft.model.tokenizer import added_texts, encode_as_text
 from specdraft.tree import Tree
 
+GROW_SLOTS = 256  # a KV cache grows by at least this many slots (it doubles), from prompt + GROW_SLOTS
+IDLE_SLOTS = 2048  # a cache this size is kept between the server's generations (``Target.trim``)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -43,6 +45,7 @@ class Target:
         self.weight_hash = weight_hash
         self.cache: KVCache | None = None
         self.length = 0  # committed slots in the cache
+        self.limit = 0  # slots the sequence may fill (the last prefill's max_slots); the cache grows up to it
 
     @classmethod
     def load(cls, target: str = "default", device: str = "cpu", dtype: str = "float32",
@@ -83,8 +86,9 @@ class Target:
 
     @property
     def capacity(self) -> int:
-        """Cache slots allocated by the last prefill (committed prefix + room for trees); 0 before one."""
-        return 0 if self.cache is None else self.cache.max_slots
+        """Slots the sequence may fill (committed prefix + room for trees), set by the last prefill; 0 before
+        one.  The cache itself holds what the sequence has reached and grows as it goes (``_fit``)."""
+        return self.limit
 
     @property
     def eos_ids(self) -> set[int]:
@@ -157,6 +161,14 @@ class Target:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes of one token (part of a UTF-8 character, maybe); b"" without a tokenizer."""
+        if self.tokenizer is None:
+            return b""
+        if hasattr(type(self.tokenizer), "token_bytes"):  # ours; a transformers tokenizer: its decoded text
+            return self.tokenizer.token_bytes(token)
+        return self.tokenizer.decode([token]).encode()
+
     # ------------------------------------------------------------------ passes
     def prepare(self, budget: int) -> None:
         """Get ready for trees of ``budget`` drafted nodes: a CPU fp32 model in the exact mode packs its
@@ -188,9 +200,11 @@ class Target:
         window = self.config.sliding_window
         if window is not None and max_slots > window:
             raise SpecdraftError(f"sequences past the sliding window ({window} tokens) are not supported yet")
-        if self.cache is None or self.cache.max_slots < max_slots:
-            self.cache = self.model.new_cache(1, max_slots)
-        self.length = 0
+        need = min(max_slots, n + GROW_SLOTS)  # the prompt and a first stretch; not max_slots up front
+        if self.cache is None or self.cache.max_slots < need:
+            self.cache = None  # the old one goes first (both at once would be the peak)
+            self.cache = self.model.new_cache(1, need)
+        self.length, self.limit = 0, max_slots
         pos = torch.arange(n, device=self.device)
         out = self._run(prompt_ids, pos, causal_mask(n, 0, self.device), hidden_layers, "last")
         self.length = n
@@ -200,11 +214,27 @@ class Target:
     def forward_tree(self, tree: Tree, hidden_layers=()) -> ForwardOutput:
         """Logits [1, N, V] at every node of ``tree`` (node i at position length + depth[i])."""
         n = len(tree)
-        if self.cache is None or self.length + n > self.cache.max_slots:
+        if self.cache is None or self.length + n > self.limit:
             raise SpecdraftError("KV cache overflow: the tree does not fit after the committed prefix")
+        self._fit(self.length + n)
         pos = torch.tensor(tree.depths, device=self.device) + self.length
         mask = self._mask(tree.ancestor_mask(self.device)) if n > 1 else None  # a lone root sees all
         return self._run(tree.tokens, pos, mask, hidden_layers, "all")
+
+    def _fit(self, slots: int) -> None:
+        """Room for ``slots`` in the cache: it doubles (at least GROW_SLOTS more, at most ``limit``), the
+        committed slots copied; their K/V and order do not change, so neither does any row."""
+        old = self.cache
+        if slots <= old.max_slots:
+            return
+        self.cache = self.model.new_cache(1, min(self.limit, max(2 * old.max_slots, slots + GROW_SLOTS)))
+        self.cache.kv[..., :self.length, :] = old.kv[..., :self.length, :]
+
+    def trim(self, slots: int = IDLE_SLOTS) -> None:
+        """Give memory back between generations: a cache over ``slots`` is dropped (the next prefill
+        allocates what it needs).  The server calls it when it has nothing to do."""
+        if self.cache is not None and self.cache.max_slots > slots:
+            self.cache, self.length, self.limit = None, 0, 0
 
     @torch.inference_mode()
     def commit(self, path: list[int]) -> None:

@@ -276,6 +276,63 @@ def test_slot_cache_grows_without_moving_ranges(fast_target):
     assert sc.cache.max_slots >= sc.size + 40
 
 
+def test_a_range_grows_in_place_or_moves_with_its_kv_and_the_cache_shrinks_back(fast_target):
+    sc = SlotCache(fast_target.model, size=16, rows=4)
+    a, b = sc.alloc(4), sc.alloc(4)
+    sc.cache.kv[..., a:a + 4, :], sc.cache.kv[..., b:b + 4, :] = 1.0, 2.0
+    assert sc.extend(b, 8, 4) == b and sc.used[b] == 8  # the slots after it are free: in place
+    moved = sc.extend(a, 6, 3)  # b sits right after it: it moves, its first 3 slots' K/V with it
+    assert moved != a and sc.used[moved] == 6 and a not in sc.used
+    assert bool((sc.cache.kv[..., moved:moved + 3, :] == 1.0).all())
+    assert bool((sc.cache.kv[..., b:b + 4, :] == 2.0).all())
+    assert sc.extend(moved, 300, 3) == moved  # the last range, past the end: the cache grows under it
+    assert sc.size >= moved + 300 and bool((sc.cache.kv[..., moved:moved + 3, :] == 1.0).all())
+    assert bool((sc.cache.kv[..., b:b + 4, :] == 2.0).all())
+    sc.release(moved)
+    big = sc.size
+    sc.shrink()  # only b is left: the free tail goes
+    assert sc.size < big and sc.size >= 2 * (b + 8) and bool((sc.cache.kv[..., b:b + 4, :] == 2.0).all())
+    rest = sc.alloc(sc.size - b - 8)
+    assert rest == b + 8 and sc.free == [(0, b)]  # the free list covers the rest, no more
+    sc.release(rest)
+    sc.release(b)
+    sc.shrink()
+    assert (sc.size, sc.rows) == (16, 4) and sc.free == [(0, 16)] and sc.cache.max_slots == 20
+
+
+@pytest.mark.parametrize("drafter", ["oracle", "hybrid"])
+def test_growing_and_moving_ranges_change_no_answer(fast_target, drafter, monkeypatch):
+    """Ranges that start small and grow by a few slots at a time (in place, moved, the cache regrown and
+    shrunk between): every answer still equals offline ``generate``, bit for bit."""
+    import specdraft.batch
+    import specdraft.target
+
+    monkeypatch.setattr(specdraft.batch, "GROW_SLOTS", 2)
+    monkeypatch.setattr(specdraft.target, "GROW_SLOTS", 2)  # the single stream's cache grows too
+    ps = prompts(LENGTHS)
+    cfgs = [GenerateConfig(max_new_tokens=n) for n in (60, 42, 50, 25, 53, 18, 40, 31)]
+    plain = Engine(twin(fast_target))
+    refs = [plain.generate(p, c).token_ids for p, c in zip(ps, cfgs)]
+    d = random_hybrid(fast_target) if drafter == "hybrid" else OracleDrafter({tuple(p): r for p, r in zip(ps, refs)})
+    engine = Engine(twin(fast_target), d)
+    batcher = Batcher(engine, max_batch=4, prefill_rows=8)
+    batcher.slots = SlotCache(fast_target.model, size=8, rows=64)
+    moves = []
+    extend = batcher.slots.extend
+
+    def counted(base, n, keep):
+        new = extend(base, n, keep)
+        moves.append(new != base)
+        return new
+
+    batcher.slots.extend = counted
+    seqs = run_batch(batcher, list(zip(ps, cfgs)))
+    got = {tuple(s.prompt_ids): s.result.token_ids for s in seqs}
+    assert [got[tuple(p)] for p in ps] == refs
+    assert any(moves) and not all(moves)  # ranges grew in place and moved
+    assert batcher.slots.used == {} and batcher.slots.size == 8  # everything given back
+
+
 def test_batch_budget_follows_the_load():
     curve = {"n": [1, 2, 4, 8, 16, 32, 64], "ratio": [1.0, 1.05, 1.34, 1.9, 3.3, 6.8, 10.6],
              "ms": [4.4, 4.6, 5.9, 8.4, 14.5, 29.8, 46.8]}

@@ -25,7 +25,8 @@ IM_START, IM_END = 1, 2  # SmolLM2's <|im_start|> and <|im_end|>
 
 
 @contextmanager
-def _serving(target, drafter=None, model_id: str = "tiny", default_max_tokens: int = 4, **app_kw):
+def _serving(target, drafter=None, model_id: str = "tiny", default_max_tokens: int = 4, max_batch: int = 1,
+             max_queue: int = 2, **app_kw):
     """The server over ``target``'s weights (its own KV cache) on a loopback port; ``srv.queue`` is its queue."""
     from specdraft.drafters import make_drafter
     from specdraft.server.app import ServerThread, create_app
@@ -33,8 +34,8 @@ def _serving(target, drafter=None, model_id: str = "tiny", default_max_tokens: i
 
     from test_server import twin
 
-    queue = RequestQueue(Engine(twin(target), drafter or make_drafter("ngram")), model_id=model_id, max_queue=2,
-                         default_max_tokens=default_max_tokens)
+    queue = RequestQueue(Engine(twin(target), drafter or make_drafter("ngram")), model_id=model_id, max_queue=max_queue,
+                         default_max_tokens=default_max_tokens, max_batch=max_batch)
     with ServerThread(create_app(queue, **app_kw)) as srv:
         srv.queue = queue
         yield srv
@@ -360,3 +361,59 @@ def test_an_aborted_request_leaves_no_unretrieved_future(tiny_chat_target, caplo
         gc.collect()
     gc.collect()
     assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
+
+
+def _rss() -> int:
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.parametrize("max_batch", [1, 8])
+def test_memory_comes_back_after_aborted_long_streams(default_target, max_batch, monkeypatch):
+    """Eight streams asking for nearly the whole context, read for a while (their caches grow) and then
+    dropped: the server's resident size returns within 10% of its idle value, and stays near it meanwhile
+    (it used to reserve prompt + max_tokens for each up front, ~370 MB apiece here, and keep it)."""
+    import http.client
+    import json
+    import threading
+    import time
+
+    import specdraft.batch
+    import specdraft.target
+
+    from test_server import wait_idle
+
+    monkeypatch.setattr(specdraft.batch, "GROW_SLOTS", 16)  # grow (and move) within the tokens read
+    monkeypatch.setattr(specdraft.target, "GROW_SLOTS", 16)
+    body = lambda i: json.dumps({"model": "tiny", "prompt": f"Story {i}: once upon a time", "max_tokens": 8000,
+                                 "stream": True})  # noqa: E731
+    with _serving(default_target, max_batch=max_batch, max_queue=8) as srv:
+        def stream(i: int, chunks: int) -> None:
+            conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+            conn.request("POST", "/v1/completions", body=body(i), headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            assert resp.status == 200
+            for _ in range(chunks):
+                resp.fp.readline()
+            conn.close()
+
+        stream(-1, 10)  # warm-up: kernels, buffers
+        wait_idle(srv.queue, timeout=60)
+        idle = _rss()
+        peak = [idle]
+        threads = [threading.Thread(target=stream, args=(i, 160)) for i in range(8)]
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            peak.append(_rss())
+            time.sleep(0.05)
+        wait_idle(srv.queue, timeout=60)
+        time.sleep(1.0)  # the loop gives memory back once it has nothing to do
+        after = _rss()
+        assert srv.queue.cancelled == 8 + 1
+    mb = 1 << 20
+    seen = f"idle {idle / mb:.0f} MB, peak {max(peak) / mb:.0f} MB, after {after / mb:.0f} MB"
+    assert after <= 1.10 * idle, seen
+    assert max(peak) <= idle + 200 * mb, seen  # reserved as they grew (up front: +360 MB alone, +4.2 GB batched)

@@ -61,3 +61,23 @@ def check(name: str, mode: str, need: int, parts: str, alternative: tuple[str, i
             if alternative is not None and alternative[1] <= have else "")
     raise SpecdraftError(f"{name} needs about {need / GiB:.1f} GiB in the {mode} mode ({parts}), and this machine "
                          f"has {have / GiB:.1f} GiB available{hint} (SPECDRAFT_MEMORY_CHECK=0 tries anyway)")
+
+
+def give_back() -> None:
+    """Return the C heap's free pages to the system (glibc's ``malloc_trim``): freed tensors under the mmap
+    threshold stay in the heap otherwise, and the resident size would not come down.  A no-op elsewhere."""
+    import ctypes
+    import ctypes.util
+
+    global _libc
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _libc = False
+    if _libc:
+        _libc.malloc_trim(0)
+
+
+_libc = None  # ctypes' libc, once looked up (False: none with malloc_trim)

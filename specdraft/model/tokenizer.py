@@ -15,11 +15,24 @@ tokenizer, loaded on first use.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 WRAP_FILE = "chat.json"
 _MARKERS = ("specdraft-marker", " two  words\n\nand lines ", "<b>{{ x }}</b> \\n ")  # contents the wrap must hold for
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """Byte-level BPE's characters for the 256 bytes (GPT-2's table): printable Latin-1 bytes stand for
+    themselves, the others take the code points from 256 up, in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    extra = iter(range(256, 512))
+    return {chr(b if b in keep else next(extra)): b for b in range(256)}
+
+
+_BYTE_OF = _byte_alphabet()
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback pieces
 
 
 @dataclass
@@ -74,7 +87,10 @@ class Tokenizer:
             or bool(cfg.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)))
         wrap = Path(wrap) if wrap is not None else self.folder / WRAP_FILE  # chat_wrap's JSON (the loader caches it)
         self._wrap = json.loads(wrap.read_text()) if wrap.is_file() else None
-        self._added = [t.content for t in self._tk.get_added_tokens_decoder().values()]
+        added = self._tk.get_added_tokens_decoder()
+        self._added = [t.content for t in added.values()]
+        self._added_ids = set(added)
+        self._byte_level = (json.loads(self._tk.to_str()).get("decoder") or {}).get("type") == "ByteLevel"
         self._hf = None
         self._text_only = None  # the backend again, with special-token matching off (encode_as_text)
 
@@ -109,6 +125,22 @@ class Tokenizer:
             self._text_only = Backend.from_str(self._tk.to_str())
             self._text_only.encode_special_tokens = True
         return self._text_only.encode(text, add_special_tokens=False).ids
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for (a byte-level piece maps back through the byte alphabet; a
+        SentencePiece piece's "▁" is a space, "<0xNN>" one byte; an added token is its text).  A token's
+        bytes may be part of a UTF-8 character: the log-probabilities' "bytes" field."""
+        piece = self._tk.id_to_token(token)
+        if piece is None:
+            return b""
+        if token in self._added_ids:
+            return piece.encode()
+        if self._byte_level and all(c in _BYTE_OF for c in piece):
+            return bytes(_BYTE_OF[c] for c in piece)
+        m = _BYTE_TOKEN.fullmatch(piece)
+        if m:
+            return bytes([int(m.group(1), 16)])
+        return piece.replace("\u2581", " ").encode()
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         text = self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -39,7 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from specdraft.errors import SpecdraftError
-from specdraft.generate import GenerationResult
+from specdraft.generate import MAX_TOP_LOGPROBS, GenerationResult, TokenLogprob
 from specdraft.engine import Cancelled
 from specdraft.server.queue import Job, RequestQueue
 
@@ -99,6 +99,18 @@ class _Common(_Strict):
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, ge=1, le=1)  # one choice per request
 
+    def unsupported(self) -> None:
+        """A 400 naming the first field this server does not implement, unless its value asks for nothing
+        (a client must never believe a constraint or a penalty was applied)."""
+        given = {**{k: getattr(self, k) for k in type(self).model_fields}, **(self.model_extra or {})}
+        for name, no_op in _NO_OP.items():
+            if name in given and not no_op(given[name]):
+                raise _BadRequest(f"{name}: not supported by this server (it generates plain text with the "
+                                  "target's own distribution); leave the field out", name, code="unsupported_field")
+
+    def top_logprobs_wanted(self) -> int | None:
+        return None
+
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stops) > 4:
@@ -111,9 +123,33 @@ class _Common(_Strict):
         return self.max_tokens
 
 
+_NO_OP = {  # fields not implemented -> the values that ask for nothing (accepted)
+    "tools": lambda v: v is None or v == [],
+    "tool_choice": lambda v: v is None or v == "none",
+    "functions": lambda v: v is None or v == [],
+    "function_call": lambda v: v is None or v == "none",
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "logit_bias": lambda v: v is None or v == {},
+    "presence_penalty": lambda v: v is None or v == 0,
+    "frequency_penalty": lambda v: v is None or v == 0,
+    "repetition_penalty": lambda v: v is None or v == 1,
+    "min_p": lambda v: v is None or v == 0,
+    "best_of": lambda v: v is None or v == 1,
+    "echo": lambda v: v is None or v is False,
+    "suffix": lambda v: v is None or v == "",
+}
+
+
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def top_logprobs_wanted(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise _BadRequest("top_logprobs: needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def prompt_ids(self, queue: RequestQueue) -> list[int]:
         turns = [m.as_template_turn() for m in self.messages]
@@ -128,6 +164,10 @@ class ChatRequest(_Common):
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # N: each token's and the N most likely
+
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
     def prompt_ids(self, queue: RequestQueue) -> list[int]:
         p = self.prompt
@@ -193,17 +233,41 @@ class _Kind:
         self.object = "chat.completion" if chat else "text_completion"
         self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
 
-    def choice(self, text: str, finish: str | None) -> dict:
+    def choice(self, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
         if self.chat:
-            return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                     "finish_reason": finish}
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
-    def delta(self, text: str | None, finish: str | None, first: bool = False) -> dict:
+    def delta(self, text: str | None, finish: str | None, first: bool = False, logprobs: dict | None = None) -> dict:
         if self.chat:
             d = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
-            return {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+
+    def logprobs(self, queue: RequestQueue, entries: list[TokenLogprob], offset: int = 0) -> dict:
+        """OpenAI's logprobs object for ``entries``: chat ``{"content": [{token, logprob, bytes, top_logprobs}]}``;
+        completions ``{tokens, token_logprobs, top_logprobs, text_offset}`` (``offset``: characters before)."""
+        target = queue.target
+
+        def piece(token: int) -> tuple[str, bytes]:
+            b = target.token_bytes(token)
+            return b.decode("utf-8", errors="replace"), b
+
+        if self.chat:
+            def item(token: int, lp: float) -> dict:
+                text, b = piece(token)
+                return {"token": text, "logprob": lp, "bytes": list(b)}
+
+            return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, v) for t, v in e.top]}
+                                for e in entries], "refusal": None}
+        tokens, offsets = [], []
+        for e in entries:
+            offsets.append(offset)
+            tokens.append(piece(e.token)[0])
+            offset += len(tokens[-1])
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{piece(t)[0]: v for t, v in e.top} for e in entries], "text_offset": offsets}
 
 
 def _sse(obj: dict | str) -> str:
@@ -316,9 +380,11 @@ def create_app(queue: RequestQueue, max_body_bytes: int = MAX_BODY_BYTES, api_ke
             raise _BadRequest(f"max_tokens must be <= the model's context of {queue.context} "
                               f"(got {limit})", "max_tokens")
         stops = req.stops()
+        req.unsupported()
+        top = req.top_logprobs_wanted()
         ids = req.prompt_ids(queue)
         queue.check_prompt(ids)
-        return req, ids, queue.config(limit, req.temperature, req.top_p, req.top_k, req.seed, stops)
+        return req, ids, queue.config(limit, req.temperature, req.top_p, req.top_k, req.seed, stops, logprobs=top)
 
     async def handle(request: Request, schema: type[_Common], kind: _Kind):
         try:
@@ -367,7 +433,8 @@ def create_app(queue: RequestQueue, max_body_bytes: int = MAX_BODY_BYTES, api_ke
             return _error(503, "the generation was cancelled (server shutting down)", "server_error")
         except SpecdraftError as e:
             return _error(400, str(e))
-        return {**head, "object": kind.object, "choices": [kind.choice(r.text, r.finish_reason)],
+        lp = None if r.logprobs is None else kind.logprobs(queue, r.logprobs)
+        return {**head, "object": kind.object, "choices": [kind.choice(r.text, r.finish_reason, lp)],
                 "usage": _usage(queue, len(job.prompt_ids), r)}
 
     async def stream(queue: RequestQueue, ids: list[int], cfg, kind: _Kind, head: dict, include_usage: bool):
@@ -382,7 +449,9 @@ def create_app(queue: RequestQueue, max_body_bytes: int = MAX_BODY_BYTES, api_ke
                     job.cancel.set()
 
         job = None
-        job = queue.submit(ids, cfg, on_text=lambda s: put(s))
+        want_logprobs = cfg.logprobs is not None  # then each text chunk carries its tokens' log-probabilities
+        job = queue.submit(ids, cfg, on_text=lambda s: put(s),
+                           on_logprobs=(lambda es: put(es)) if want_logprobs else None)
         if job is None:
             return busy() if not queue.closed else closing()
         job.future.add_done_callback(lambda f: put(None))
@@ -392,8 +461,15 @@ def create_app(queue: RequestQueue, max_body_bytes: int = MAX_BODY_BYTES, api_ke
                 chunk = {**head, "object": kind.chunk_object}
                 if kind.chat:
                     yield _sse({**chunk, "choices": [kind.delta(None, None, first=True)]})
+                pending: list[TokenLogprob] = []  # log-probabilities not sent yet (they come before their text)
+                offset = 0  # characters of the completion sent so far (text_offset)
                 while (s := await pieces.get()) is not None:
-                    yield _sse({**chunk, "choices": [kind.delta(s, None)]})
+                    if isinstance(s, list):
+                        pending += s
+                        continue
+                    lp = kind.logprobs(queue, pending, offset) if want_logprobs else None
+                    pending, offset = [], offset + len(s)
+                    yield _sse({**chunk, "choices": [kind.delta(s, None, logprobs=lp)]})
                 try:
                     r = job.future.result()
                 except Exception as e:  # report it in the stream, do not crash the connection
@@ -406,7 +482,8 @@ def create_app(queue: RequestQueue, max_body_bytes: int = MAX_BODY_BYTES, api_ke
                     yield _sse({"error": {"message": msg, "type": "server_error", "param": None, "code": None}})
                     yield _sse("[DONE]")
                     return
-                yield _sse({**chunk, "choices": [kind.delta(None, r.finish_reason)]})
+                lp = kind.logprobs(queue, pending, offset) if want_logprobs and pending else None
+                yield _sse({**chunk, "choices": [kind.delta(None, r.finish_reason, logprobs=lp)]})
                 if include_usage:
                     yield _sse({**chunk, "choices": [], "usage": _usage(queue, len(ids), r)})
                 yield _sse("[DONE]")

@@ -30,7 +30,8 @@ from typing import Callable
 from specdraft.batch import Batcher, Sequence
 from specdraft.engine import Cancelled, Engine
 from specdraft.errors import SpecdraftError
-from specdraft.generate import GenerateConfig, GenerationResult, check_budget
+from specdraft.generate import GenerateConfig, GenerationResult, TokenLogprob, check_budget
+from specdraft.model.memory import give_back
 from specdraft.server.metrics import Metrics
 from specdraft.verify import Sampling
 
@@ -42,6 +43,7 @@ class Job:
     prompt_ids: list[int]
     config: GenerateConfig
     on_text: Callable[[str], None] | None = None
+    on_logprobs: Callable[[list[TokenLogprob]], None] | None = None  # with config.logprobs: as they come
     cancel: threading.Event = field(default_factory=threading.Event)
     future: Future = field(default_factory=Future)
     admitted: float = field(default_factory=time.perf_counter)  # when it entered the queue (metrics: TTFT)
@@ -97,7 +99,7 @@ class RequestQueue:
 
     # ------------------------------------------------------------------ requests
     def config(self, max_tokens: int | None, temperature: float | None, top_p: float | None,
-               top_k: int | None, seed: int | None, stop: list[str]) -> GenerateConfig:
+               top_k: int | None, seed: int | None, stop: list[str], logprobs: int | None = None) -> GenerateConfig:
         temp = self.default_temperature if temperature is None else temperature
         if temp < MIN_TEMPERATURE:  # this close to 0 sampling is greedy in effect: decode greedily, no seed
             temp = 0.0
@@ -105,7 +107,7 @@ class RequestQueue:
         if seed is None and not sampling.greedy:
             seed = secrets.randbits(63)  # OpenAI semantics: no seed, a fresh sample each time
         return GenerateConfig(max_new_tokens=max_tokens or self.default_max_tokens, sampling=sampling,
-                              seed=seed, stop=stop, budget=self.budget)
+                              seed=seed, stop=stop, budget=self.budget, logprobs=logprobs)
 
     def check_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -120,9 +122,10 @@ class RequestQueue:
         return {"running": running, "waiting": waiting, "capacity": self.capacity,
                 "completed": self.completed, "cancelled": self.cancelled, "failed": self.failed}
 
-    def submit(self, ids: list[int], config: GenerateConfig, on_text: Callable[[str], None] | None = None) -> Job | None:
+    def submit(self, ids: list[int], config: GenerateConfig, on_text: Callable[[str], None] | None = None,
+               on_logprobs: Callable[[list[TokenLogprob]], None] | None = None) -> Job | None:
         """Queue a generation; None when the queue is full (refuse the request)."""
-        job = Job(ids, config, on_text)
+        job = Job(ids, config, on_text, on_logprobs)
         with self._lock:
             if self.closed or len(self._jobs) >= self.capacity:
                 return None
@@ -148,6 +151,10 @@ class RequestQueue:
         """Do the queue's work until it is shut down and empty (or ``stop()`` turns true while idle)."""
         while True:
             with self._wake:
+                idle = not self._waiting and not (self.batcher and self.batcher.live)
+            if idle:
+                self._give_back()  # nothing to do: the cache back to its idle size, freed pages to the system
+            with self._wake:
                 while not self._waiting and not (self.batcher and self.batcher.live):
                     if self.closed or (stop is not None and stop()):
                         return
@@ -164,6 +171,12 @@ class RequestQueue:
                     self._admit(job)
                 self._step()
 
+    def _give_back(self) -> None:
+        if self.batcher is not None:
+            self.batcher.slots.shrink()
+        self.target.trim()
+        give_back()
+
     def _run(self, job: Job) -> None:
         """One generation, alone (max_batch 1)."""
         job.started = time.perf_counter()
@@ -171,7 +184,8 @@ class RequestQueue:
         try:
             if job.cancel.is_set():
                 raise Cancelled()
-            result = self.engine.generate(job.prompt_ids, job.config, on_text=job.on_text, cancel=job.cancel)
+            result = self.engine.generate(job.prompt_ids, job.config, on_text=job.on_text, cancel=job.cancel,
+                                          on_logprobs=job.on_logprobs)
         except Cancelled as e:
             self.cancelled += 1
             error = e
@@ -208,7 +222,8 @@ class RequestQueue:
             self._settle(job, error=Cancelled())
             return
         try:
-            seq = self.batcher.add(job.prompt_ids, job.config, on_text=job.on_text, cancel=job.cancel)
+            seq = self.batcher.add(job.prompt_ids, job.config, on_text=job.on_text, cancel=job.cancel,
+                                   on_logprobs=job.on_logprobs)
         except Exception as e:  # a request the batch cannot take (checked as a single generation would be)
             self.failed += 1
             self._settle(job, error=e)

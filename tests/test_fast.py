@@ -294,3 +294,13 @@ def test_trees_past_the_context_end_decode_like_plain(tmp_path):
     ref = generate(t, prompt, None, cfg)
     got = generate(t, prompt, RandomTreeDrafter(0, 96, ref.token_ids, width=3, depth=6, budget=12), cfg)
     assert got.token_ids == ref.token_ids
+
+
+def test_the_cost_curve_runs_on_a_model_loaded_for_the_fast_mode_only(default_target):
+    """`bench --cost-curve` on the default target (its head a BlockTable over the file's blocks, no fp32
+    copy): it measures and says what ran (no timing is asserted)."""
+    from specdraft.bench.cost import measure_cost_curve
+
+    curve = measure_cost_curve(default_target, max_n=3, context=16, repeats=1, quiet=True)
+    assert curve["n"] == [1, 2, 3] and len(curve["ms"]) == 3 and all(m > 0 for m in curve["ms"])
+    assert curve["packed_weights"] is False and curve["kernel"]["isa"] == fast.isa()

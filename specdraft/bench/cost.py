@@ -41,7 +41,7 @@ def measure_cost_curve(target, max_n: int = 64, context: int = 256, repeats: int
         ms.append(1000 * statistics.median(times))
     return {"target": target.name, "target_hash": target.weight_hash, "device": target.device.type,
             "threads": torch.get_num_threads(), "context": context, "n": ns, "ms": ms,
-            "ratio": [m / ms[0] for m in ms], "packed_weights": bool(target.model.lm_head.packs),
+            "ratio": [m / ms[0] for m in ms], "packed_weights": bool(getattr(target.model.lm_head, "packs", None)),
             "quantized_rows": target.model.quantized_rows, "precision": target.model.precision,
             "kernel": kernel_info(target.model), "cpu": cpu_name()}
 

@@ -465,14 +465,35 @@ static inline void quads(const uint8_t* blk, const int8_t* const* xq, typename I
 
 // H slices of L rows (lanes lo .. lo+H*L-1 of group g) x T activation rows from r0:
 // y[(r0+t) * ldy + 16g + lane] for the lanes < nv.
+// pf: this tile also prefetches the weight stream PF blocks ahead (past the group's end, the next group's)
+// and the scales with it, so the memory reads overlap the arithmetic instead of adding to it.
+static constexpr int64_t PF = 8;
+
 template <int64_t KIND, int H, int T>
-static void tile(const W& w, int64_t g, int64_t lo, const QRows& x, int64_t r0, float* y, int64_t ldy, int64_t nv) {
+static void tile(const W& w, int64_t g, int64_t lo, const QRows& x, int64_t r0, float* y, int64_t ldy, int64_t nv,
+                 bool pf) {
   const int64_t NB = w.NB, NSB = NB / 8;
   typename Isa::F acc[H][T];
   for (int h = 0; h < H; ++h)
     for (int t = 0; t < T; ++t) acc[h][t] = Isa::fzero();
   const uint8_t* base = w.qs + g * NB * fmt_bytes(KIND) + 4 * lo;
   for (int64_t b = 0; b < NB; ++b) {
+    if (pf) {  // a prefetch never faults, so the last group's may point past the end
+      const char* q = (const char*)(base + (b + PF) * fmt_bytes(KIND));
+      for (int64_t o = 0; o < fmt_bytes(KIND); o += 64) _mm_prefetch(q + o, _MM_HINT_T0);
+      if (b % 2 == 0) {  // scales: 32 bytes a block (or a super-block), one line every two
+        if constexpr (fmt_super(KIND)) {
+          _mm_prefetch((const char*)(w.sc + (g * NB + b + PF) * 32), _MM_HINT_T0);
+          if (b % 8 == 0) {
+            _mm_prefetch((const char*)(w.d + (g * NSB + b / 8 + 1) * 16), _MM_HINT_T0);
+            if constexpr (fmt_min(KIND)) _mm_prefetch((const char*)(w.m + (g * NSB + b / 8 + 1) * 16), _MM_HINT_T0);
+          }
+        } else {
+          _mm_prefetch((const char*)(w.d + (g * NB + b + PF) * 16), _MM_HINT_T0);
+          if constexpr (fmt_min(KIND)) _mm_prefetch((const char*)(w.m + (g * NB + b + PF) * 16), _MM_HINT_T0);
+        }
+      }
+    }
     const int8_t* xq[T];
     for (int t = 0; t < T; ++t) xq[t] = x.q.data() + ((r0 + t) * NB + b) * 32;
     typename Isa::Acc a[H][T], a2[H][T];
@@ -525,31 +546,18 @@ static void tile(const W& w, int64_t g, int64_t lo, const QRows& x, int64_t r0, 
 
 template <int64_t KIND, int H, int T>
 static inline void tile_upto(int64_t n, const W& w, int64_t g, int64_t lo, const QRows& x, int64_t r0, float* y,
-                             int64_t ldy, int64_t nv) {  // a tile of n <= T rows
+                             int64_t ldy, int64_t nv, bool pf) {  // a tile of n <= T rows
   if constexpr (T > 1) {
-    if (n < T) return tile_upto<KIND, H, T - 1>(n, w, g, lo, x, r0, y, ldy, nv);
+    if (n < T) return tile_upto<KIND, H, T - 1>(n, w, g, lo, x, r0, y, ldy, nv, pf);
   }
-  tile<KIND, H, T>(w, g, lo, x, r0, y, ldy, nv);
-}
-
-static inline void prefetch_group(const W& w, int64_t g, int64_t bytes) {
-  const char* q = (const char*)(w.qs + g * w.NB * bytes);
-  for (int64_t o = 0; o < w.NB * bytes; o += 64) _mm_prefetch(q + o, _MM_HINT_T0);
-  const int64_t nd = fmt_super(w.kind) ? w.NB / 8 : w.NB;  // the scales: 32 bytes a (group, block or super-block)
-  for (int64_t o = 0; o < nd * 32; o += 64) {
-    _mm_prefetch((const char*)(w.d + g * nd * 16) + o, _MM_HINT_T0);
-    if (w.m) _mm_prefetch((const char*)(w.m + g * nd * 16) + o, _MM_HINT_T0);
-  }
-  if (w.sc)
-    for (int64_t o = 0; o < w.NB * 32; o += 64) _mm_prefetch((const char*)(w.sc + g * w.NB * 32) + o, _MM_HINT_T0);
+  tile<KIND, H, T>(w, g, lo, x, r0, y, ldy, nv, pf);
 }
 
 // Groups gs .. ge-1 of w against all M rows.  The activation rows go in chunks of 64 (they stay in L1/L2);
-// within a chunk each group's weights are read from memory once and reused from L1 by every tile of rows.
-// Passes of 1-2 rows take a whole group a tile (each activation quad broadcast once for its 16 rows) and
-// prefetch the next group (measured: faster there, slower from 4 rows, where the hardware prefetcher
-// keeps up); longer ones a slice of L rows x T rows (register-bound).  Either way each row gets the same
-// operations.
+// within a chunk each group's weights are read from memory once and reused from L1 by every tile of rows,
+// the first of which prefetches the stream ahead.  Passes of 1-2 rows take a whole group a tile (each
+// activation quad broadcast once for its 16 rows); longer ones a slice of L rows x T rows (register-bound).
+// Either way each row gets the same operations.
 template <int64_t KIND>
 static void groups(const W& w, int64_t gs, int64_t ge, const QRows& x, int64_t M, float* y, int64_t ldy) {
   constexpr int HW = 16 / Isa::L;  // slices in a group
@@ -557,14 +565,13 @@ static void groups(const W& w, int64_t gs, int64_t ge, const QRows& x, int64_t M
     const int64_t r1 = std::min(M, r0 + 64);
     for (int64_t g = gs; g < ge; ++g) {
       const int64_t nv = std::min<int64_t>(16, w.N - 16 * g);
-      if (M <= 2 && g + 1 < ge) prefetch_group(w, g + 1, fmt_bytes(KIND));  // memory-bound passes: the next group meanwhile
       if (M <= 2 && HW > 1) {
-        tile_upto<KIND, HW, 2>(M, w, g, 0, x, 0, y, ldy, nv);
+        tile_upto<KIND, HW, 2>(M, w, g, 0, x, 0, y, ldy, nv, true);
         continue;
       }
       for (int64_t lo = 0; lo < nv; lo += Isa::L)
         for (int64_t r = r0; r < r1; r += Isa::T)
-          tile_upto<KIND, 1, Isa::T>(std::min<int64_t>(Isa::T, r1 - r), w, g, lo, x, r, y, ldy, nv);
+          tile_upto<KIND, 1, Isa::T>(std::min<int64_t>(Isa::T, r1 - r), w, g, lo, x, r, y, ldy, nv, lo == 0 && r == r0);
     }
   }
 }

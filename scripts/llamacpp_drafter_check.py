@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from specdraft.bench.llamacpp import LlamaServer, find_binaries
+from specdraft.bench.llamacpp import LlamaServer, find_binaries, with_working_repack
 from specdraft.datasets import load_prompts
 from specdraft.drafters import make_drafter
 from specdraft.errors import SpecdraftError
@@ -133,6 +133,7 @@ def main() -> int:
     texts = prompts_of(args.prompts)
     ids_list = [target.encode_prompt(t) for t in texts]
     gguf = default_gguf_path()
+    binaries = with_working_repack(binaries, gguf, args.threads)
     spec = ["-md", str(draft_gguf), "--spec-type", f"draft-{fmt}", "--spec-draft-n-max", str(args.n_max),
             "--spec-draft-n-min", "0", "--spec-draft-p-min", "0", "--threads-draft", str(args.threads)]
     rows = {

@@ -18,7 +18,7 @@ from specdraft.bench.batch_curve import batch_curve
 from specdraft.bench.chimeras import ChimeraConfig, chimera_report, format_summary
 from specdraft.bench.cost import PEER_PASSES, PREFILL_LENGTHS, measure_cost_curve, measure_prefill
 from specdraft.bench.coverage import coverage_report
-from specdraft.bench.llamacpp import find_binaries, pass_costs, target_gguf
+from specdraft.bench.llamacpp import find_binaries, pass_costs, target_gguf, with_working_repack
 from specdraft.bench.report import format_cost_table, format_table, write_report
 from specdraft.bench.runner import plot_cost_curve, run_bench
 from specdraft.bench.stats import format_comparison
@@ -417,6 +417,7 @@ def cmd_bench(args) -> None:
         curve["prefill"] = measure_prefill(target, PREFILL_LENGTHS)
         if binaries is not None:
             threads = curve["threads"]
+            binaries = with_working_repack(binaries, gguf, threads)
             curve["llamacpp"] = pass_costs(binaries, gguf, PEER_PASSES, threads)
             curve["llamacpp_prefill"] = pass_costs(binaries, gguf, list(PREFILL_LENGTHS), threads)
         out = Path(args.out)

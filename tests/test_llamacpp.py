@@ -25,6 +25,7 @@ from specdraft.bench.llamacpp import (
     parse_bench,
     parse_completion,
     pass_costs,
+    with_working_repack,
 )
 from specdraft.errors import SpecdraftError
 
@@ -320,8 +321,9 @@ def test_real_server_short_completion():
         pytest.skip(f"llama.cpp not built ({bin_dir / 'llama-server'} missing): run `bash scripts/build_llamacpp.sh`")
     from specdraft.model.load import default_gguf_path
 
-    binaries, gguf = find_binaries(bin_dir), default_gguf_path()
     threads = 1  # a correctness check: one thread cannot be slowed by other tests' busy threads (see LlamaServer)
+    gguf = default_gguf_path()
+    binaries = with_working_repack(find_binaries(bin_dir), gguf, threads)  # as the benchmarks run it
     results = []
     for spec in (None, ngram_args()):
         with LlamaServer(binaries, gguf, threads=threads, spec=spec) as srv:
@@ -331,3 +333,21 @@ def test_real_server_short_completion():
         assert r["tok_s"] > 0 and r["wall_s"] > 0 and r["prompt_ms"] > 0
         results.append(r["tokens"])
     assert results[0] == results[1]
+
+
+# ---------------------------------------------------------------- a peer whose repacked weights crash
+
+
+def test_a_crashing_repack_is_detected_and_the_peer_runs_without_it(tmp_path, capsys):
+    # llama-bench dies of SIGSEGV on a multi-token pass unless `--repack 0` is given (as llama.cpp's AMX path did)
+    crash = 'case "$*" in *"--repack 0"*) exit 0;; *) kill -SEGV $$;; esac\n'
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    b = with_working_repack(find_binaries(fake_bin_dir(tmp_path, bench=crash)), gguf, 2)
+    assert b.repack is False
+    assert "signal 11" in capsys.readouterr().err and "--no-repack" in " ".join(LlamaServer(b, gguf, 2).command(1))
+    assert bench_command(b, gguf, [1, 8], 2, 3)[-2:] == ["--repack", "0"]
+    (tmp_path / "ok").mkdir()
+    ok = with_working_repack(find_binaries(fake_bin_dir(tmp_path / "ok")), gguf, 2)
+    assert ok.repack is True and "--repack" not in bench_command(ok, gguf, [1], 2, 3)
+    assert "--no-repack" not in LlamaServer(ok, gguf, 2).command(1)

@@ -21,10 +21,12 @@ Only the standard library talks to the server (``urllib``); the binaries come fr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -58,6 +60,7 @@ class LlamaCpp:
 
     server: Path
     bench: Path
+    repack: bool = True  # llama.cpp repacks weights for its CPU kernels (AMX, ...); False: --no-repack (see with_working_repack)
 
 
 def default_bin_dir() -> Path:
@@ -106,6 +109,22 @@ def find_binaries(bin_dir: str | Path) -> LlamaCpp:
     if not folder.is_dir():
         raise SpecdraftError(f"llama.cpp binaries folder {folder} not found: build it with `{BUILD_HINT}`")
     return LlamaCpp(server=_check_binary(folder / SERVER_NAME), bench=_check_binary(folder / BENCH_NAME))
+
+
+def with_working_repack(binaries: LlamaCpp, gguf_path: str | Path, threads: int) -> LlamaCpp:
+    """``binaries``, or the same with ``repack=False`` where llama.cpp's repacked weights crash a pass of
+    more than one token on this CPU (seen: SIGSEGV in ``ggml_backend_amx_mul_mat`` on a Xeon with AMX,
+    llama-cpp-python 0.3.36's llama.cpp), with one warning: the peer then runs its other kernels."""
+    cmd = [str(binaries.bench), "-m", str(gguf_path), "-t", str(threads), "-p", "2", "-n", "0", "-r", "1"]
+    try:
+        res = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, timeout=BENCH_TIMEOUT_S)
+    except (subprocess.TimeoutExpired, OSError):
+        return binaries  # pass_costs / the server will say what is wrong
+    if res.returncode >= 0:
+        return binaries
+    print(f"warning: llama.cpp crashed (signal {-res.returncode}) on a 2-token pass with its repacked weights on "
+          "this CPU; it runs with --no-repack (its results say so)", file=sys.stderr)
+    return dataclasses.replace(binaries, repack=False)
 
 
 def target_gguf(target_spec: str | None) -> str:
@@ -241,7 +260,7 @@ class LlamaServer:
         return [str(self.binaries.server), "-m", str(self.gguf_path),
                 "--threads", str(self.threads), "--threads-batch", str(self.threads),
                 "--port", str(port), "--host", "127.0.0.1", "-c", str(self.ctx),
-                "--parallel", "1", "--no-webui", *self.spec]
+                "--parallel", "1", "--no-webui", *([] if self.binaries.repack else ["--no-repack"]), *self.spec]
 
     def __enter__(self) -> LlamaServer:
         self.start()
@@ -355,7 +374,7 @@ def bench_command(binaries: LlamaCpp, gguf_path: str | Path, ns: list[int], thre
     """The ``llama-bench`` command line: prompt-processing tests ``pp N`` only, JSON on stdout."""
     return [str(binaries.bench), "-m", str(gguf_path), "-t", str(threads),
             "-p", ",".join(str(n) for n in dict.fromkeys(ns)), "-n", "0",
-            "-r", str(repetitions), "-o", "json"]
+            "-r", str(repetitions), "-o", "json", *([] if binaries.repack else ["--repack", "0"])]
 
 
 def pass_costs(binaries: LlamaCpp, gguf_path: str | Path, ns: list[int], threads: int,
@@ -383,4 +402,4 @@ def pass_costs(binaries: LlamaCpp, gguf_path: str | Path, ns: list[int], threads
     if res.returncode != 0:
         why = _last_line(res.stderr) or _last_line(res.stdout) or "no message"
         raise SpecdraftError(f"llama-bench failed with exit code {res.returncode}: {why}")
-    return {**parse_bench(res.stdout, ns), "source": "llama-bench", "threads": threads}
+    return {**parse_bench(res.stdout, ns), "source": "llama-bench", "threads": threads, "repack": binaries.repack}

@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from specdraft.bench.hf import build_hf_model, hf_generate
-from specdraft.bench.llamacpp import LlamaServer, find_binaries, ngram_args, target_gguf
+from specdraft.bench.llamacpp import LlamaServer, find_binaries, ngram_args, target_gguf, with_working_repack
 from specdraft.datasets import load_prompts
 from specdraft.drafters import make_drafter
 from specdraft.engine import Engine
@@ -106,6 +106,8 @@ def run_bench(
     eos = target.eos_ids
     eos0 = min(eos)
     threads = torch.get_num_threads()
+    if binaries is not None:
+        binaries = with_working_repack(binaries, gguf, threads)
     servers = {}
     try:
         if "llamacpp" in peers:  # started once; each request runs alone (no prompt cache), interleaved with ours
@@ -144,6 +146,7 @@ def run_bench(
                                     "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p,
                                                  "top_k": sampling.top_k, "seed": seed},
                                     "llama_cpp": _home_relative(binaries.server) if binaries else None,
+                                    "llama_cpp_repack": binaries.repack if binaries else None,
                                     "llama_cpp_ngram": ngram_args() if "llamacpp_ngram" in peers else None,
                                     "budgets": {m: (budget if budget is not None else e.drafter.default_budget)
                                                 for m, e in engine_of.items()},

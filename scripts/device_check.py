@@ -8,7 +8,8 @@ Runs anywhere (``--device cpu`` too) and needs no model files: tiny random Huggi
    randomly initialised hybrid (Gumiho / Medusa / EAGLE shapes) and block drafters (K = 1 with
    linear and DDTree trees, K = 3 with the MFD mixture tree), budgets 1 to 64, fp32 and bf16;
 3. sampling runs on the device and repeats with the same seed;
-4. the pass time of a SmolLM2-135M-shaped random model for N = 1..64 tree tokens (bf16), i.e.
+4. each emitted token's log-probability (``GenerateConfig.logprobs``) equals a plain causal pass's;
+5. the pass time of a SmolLM2-135M-shaped random model for N = 1..64 tree tokens (bf16), i.e.
    the cost curve a drafter would size its trees by on that device.
 
 Usage: ``python scripts/device_check.py --device cuda [--out DIR]``; exit status 1 if a check fails.
@@ -153,6 +154,30 @@ def check_sampling(device: str, root: Path) -> None:
            tokens=len(a))
 
 
+def check_logprobs(device: str, root: Path) -> None:
+    """``GenerateConfig.logprobs`` on the device: each token's entry equals log_softmax of one plain causal pass
+    over prompt + answer (within 1e-4, fp32), with no drafter and with ngram."""
+    t = our_target(root / "llama", device)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, 96, (n,), generator=g).tolist() for n in (6, 19)] + [[7, 8, 9, 10, 11] * 5]
+    worst, bad = 0.0, []
+    for name, make in (("none", NoDrafter), ("ngram", NgramDrafter)):
+        for p in prompts:
+            r = generate(t, p, make(), GenerateConfig(max_new_tokens=24, logprobs=3, budget=8))
+            ids = p + r.token_ids
+            n = len(ids)
+            with torch.inference_mode():
+                out = t.model(torch.tensor([ids], device=t.device), torch.arange(n, device=t.device)[None],
+                              causal_mask(n, 0, t.device), t.model.new_cache(1, n), 0, logits="all")
+            ref = torch.log_softmax(out.logits[0, len(p) - 1:n - 1].float(), -1).cpu()
+            for i, (e, tok) in enumerate(zip(r.logprobs, r.token_ids)):
+                worst = max(worst, abs(e.logprob - float(ref[i, tok])))
+                if e.token != tok or len(e.top) != 3 or [a for a, _ in e.top] != ref[i].topk(3).indices.tolist():
+                    bad.append((name, i))
+    report("logprobs_equal_a_plain_pass", not bad and worst < 1e-4, device=device, max_abs_diff=worst,
+           mismatched=bad[:5])
+
+
 @torch.no_grad()
 def cost_curve(device: str, root: Path, repeats: int = 10) -> dict:
     """Pass time over N tree tokens after 256 context tokens, SmolLM2-135M shape, random bf16 weights."""
@@ -206,6 +231,7 @@ def main() -> int:
         check_logits(args.device, root)
         check_lossless(args.device, root)
         check_sampling(args.device, root)
+        check_logprobs(args.device, root)
         curve = None if args.skip_curve else cost_curve(args.device, root)
     ok = all(r["ok"] for r in RESULTS)
     if args.out:

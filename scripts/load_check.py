@@ -2,7 +2,9 @@
 
 Every answer is compared with offline greedy decoding (``specdraft.generate.generate``, no
 drafter) of the same prompt ids; the script reports p50/p95 latency, time to first token of the
-streamed requests and total throughput, and exits non-zero on any error or mismatch.
+streamed requests, total throughput and, for a server it started, the server's resident memory
+before, at its peak during and 3 s after the requests (``rss_idle_mb``, ``rss_peak_mb``,
+``rss_after_mb``), and exits non-zero on any error or mismatch.
 
     .venv/bin/python scripts/load_check.py                        # starts `specdraft serve`: default target, ngram
     .venv/bin/python scripts/load_check.py --clients 8 --requests 5 --max-tokens 128 --compare --json
@@ -134,6 +136,46 @@ def start_server(args, max_batch: int) -> tuple[subprocess.Popen, str]:
     sys.exit("error: the server did not answer /health within 300 s")
 
 
+def rss_mb(pid: int) -> float | None:
+    """The process's resident memory (VmRSS) in MB; None where /proc has no such process."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+class RssWatch:
+    """The server's RSS before the clients start, its peak while they run (sampled every 50 ms), and after:
+    once the last answer is in and the server has had ``settle_s`` idle (it gives memory back when idle)."""
+
+    def __init__(self, pid: int, settle_s: float = 3.0) -> None:
+        self.pid, self.settle_s, self.peak = pid, settle_s, 0.0
+        self.idle = rss_mb(pid)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.05):
+            self.peak = max(self.peak, rss_mb(self.pid) or 0.0)
+
+    def __enter__(self) -> "RssWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        time.sleep(self.settle_s)
+        self.after = rss_mb(self.pid)
+
+    def summary(self) -> dict:
+        return {"rss_idle_mb": self.idle, "rss_peak_mb": self.peak, "rss_after_mb": self.after}
+
+
 def stop_server(proc: subprocess.Popen) -> None:
     proc.send_signal(signal.SIGINT)
     try:
@@ -198,11 +240,12 @@ def main(argv: list[str] | None = None) -> int:
         proc, url = start_server(args, batch)
         try:
             model = openai.OpenAI(base_url=url + "/v1", api_key="none").models.list().data[0].id
-            results, wall = run_clients(url, model, work, refs, args)
+            with RssWatch(proc.pid) as rss:
+                results, wall = run_clients(url, model, work, refs, args)
         finally:
             stop_server(proc)
         print(f"--max-batch {batch}: {len(results)} requests in {wall:.1f}s", file=sys.stderr)
-        return summarize(results, wall, batch), results
+        return {**summarize(results, wall, batch), **rss.summary()}, results
 
     head = {"target": target.name, "drafter": args.drafter, "clients": args.clients,
             "requests_per_client": args.requests, "max_tokens": args.max_tokens}

@@ -46,6 +46,7 @@ class Target:
         self.cache: KVCache | None = None
         self.length = 0  # committed slots in the cache
         self.limit = 0  # slots the sequence may fill (the last prefill's max_slots); the cache grows up to it
+        self._longest: int | None = None  # bytes of the vocabulary's longest token (fewest_tokens), found once
 
     @classmethod
     def load(cls, target: str = "default", device: str = "cpu", dtype: str = "float32",
@@ -160,6 +161,14 @@ class Target:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def fewest_tokens(self, nbytes: int) -> int:
+        """A lower bound on the tokens of any text of ``nbytes`` UTF-8 bytes, known before tokenizing it: no
+        token stands for more than the vocabulary's longest token's bytes (halved again, for tokenizers whose
+        normalizer may shorten a text).  Lets the server refuse a text that cannot fit without tokenizing it."""
+        if self._longest is None:
+            self._longest = max(1, max(len(self.token_bytes(t)) for t in range(self.config.vocab_size)))
+        return nbytes // (2 * self._longest)
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes of one token (part of a UTF-8 character, maybe); b"" without a tokenizer."""

@@ -166,6 +166,47 @@ def test_the_server_refuses_an_empty_user_message(content, tiny_chat_target):
     assert status == 400 and "user message is empty" in body["error"]["message"]
 
 
+def test_a_huge_prompt_is_refused_before_tokenizing_and_health_stays_quick(tiny_chat_target):
+    """A chat body just under the size cap, far over the context: refused from its byte count alone (no seconds of
+    tokenizing), a body over the cap from its Content-Length; /health, polled meanwhile on its own
+    connection, answers each time within 50 ms."""
+    import http.client
+    import json
+    import threading
+    import time
+
+    from specdraft.server.app import MAX_BODY_BYTES
+
+    text = "The quick brown fox jumps over the lazy dog. " * ((MAX_BODY_BYTES - 4096) // 45)
+    outcomes = {}
+    with _serving(tiny_chat_target) as srv:
+        def send(name: str, body: bytes) -> None:
+            conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=120)
+            conn.request("POST", "/v1/chat/completions", headers={"Content-Type": "application/json"}, body=body)
+            resp = conn.getresponse()
+            outcomes[name] = (resp.status, json.loads(resp.read()))
+
+        just_under = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": text}]}).encode()
+        over = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": text + "x" * (1 << 20)}]}).encode()
+        assert len(just_under) < MAX_BODY_BYTES < len(over)
+        health = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+        waits = []
+        for name, body in (("under", just_under), ("over", over)):
+            sender = threading.Thread(target=send, args=(name, body))
+            sender.start()
+            while sender.is_alive():
+                t = time.perf_counter()
+                health.request("GET", "/health")
+                assert health.getresponse().read() and True
+                waits.append(time.perf_counter() - t)
+                time.sleep(0.005)
+            sender.join()
+    status, body = outcomes["under"]
+    assert status == 400 and "the prompt is at least" in body["error"]["message"], body
+    assert outcomes["over"][0] == 413
+    assert waits and max(waits) < 0.050, f"/health took {max(waits) * 1000:.0f} ms"
+
+
 _CONFIG_BASE = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
                 "num_hidden_layers": 1, "num_attention_heads": 4}
 _JUNK = st.one_of(st.none(), st.booleans(), st.integers(-10, 10**12), st.floats(allow_nan=True), st.text(max_size=5),

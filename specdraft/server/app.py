@@ -156,6 +156,7 @@ class ChatRequest(_Common):
         if any(t["role"] == "user" and not t["content"].strip() for t in turns):
             raise _BadRequest("messages: a user message is empty (as `specdraft generate` refuses an empty prompt)",
                               "messages")
+        queue.check_text(sum(len((t["content"] or "").encode()) for t in turns))
         return queue.target.encode_messages(turns)
 
     def limit(self) -> int | None:
@@ -181,6 +182,7 @@ class CompletionRequest(_Common):
                 raise _BadRequest("prompt: exactly one prompt per request (got a list of "
                                   f"{len(p)})", "prompt")
             p = p[0]
+        queue.check_text(len(p.encode()))
         return queue.target.encode_prompt(p, raw=True)
 
 

@@ -92,6 +92,7 @@ class RequestQueue:
         self.metrics = Metrics()  # GET /metrics
         self.batcher = Batcher(engine, max_batch=max_batch) if max_batch > 1 else None
         self._in_batch: dict[int, Job] = {}  # id(Sequence) -> its job
+        target.fewest_tokens(0)  # the vocabulary's longest token, found now rather than inside a first request
 
     @property
     def context(self) -> int:
@@ -108,6 +109,14 @@ class RequestQueue:
             seed = secrets.randbits(63)  # OpenAI semantics: no seed, a fresh sample each time
         return GenerateConfig(max_new_tokens=max_tokens or self.default_max_tokens, sampling=sampling,
                               seed=seed, stop=stop, budget=self.budget, logprobs=logprobs)
+
+    def check_text(self, nbytes: int) -> None:
+        """Refuse, before any tokenizing, a prompt text of ``nbytes`` bytes that cannot fit the context (a
+        multi-megabyte body would otherwise take seconds of a worker's time to tokenize)."""
+        least = self.target.fewest_tokens(nbytes)
+        if least >= self.context:
+            raise SpecdraftError(f"the prompt is at least {least} tokens ({nbytes} bytes of text); the model's "
+                                 f"context is {self.context} tokens")
 
     def check_prompt(self, ids: list[int]) -> None:
         if not ids:

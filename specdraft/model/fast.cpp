@@ -816,6 +816,30 @@ static void attend(const float* q, int64_t q_stride, const float* kbase, const f
   }
 }
 
+// The slots a row sees (its mask row mr, true = visible; none: all S), in slot order, into idx; returns how
+// many.  Eight mask bytes at a time: a causal or tree mask is long runs of all-visible or none.
+static int64_t visible(const bool* mr, int64_t S, int32_t* idx) {
+  int64_t n = 0, j = 0;
+  if (!mr) {
+    for (; j < S; ++j) idx[n++] = (int32_t)j;
+    return n;
+  }
+  for (; j + 8 <= S; j += 8) {
+    uint64_t w;
+    std::memcpy(&w, mr + j, 8);
+    if (w == 0) continue;
+    if (w == 0x0101010101010101ull) {
+      for (int k = 0; k < 8; ++k) idx[n++] = (int32_t)(j + k);
+      continue;
+    }
+    for (int k = 0; k < 8; ++k)
+      if (mr[j + k]) idx[n++] = (int32_t)(j + k);
+  }
+  for (; j < S; ++j)
+    if (mr[j]) idx[n++] = (int32_t)j;
+  return n;
+}
+
 static inline float silu_mul(float g, float u) { return g / (1.f + exp_s(-g)) * u; }
 
 static void silu_rows(const float* gu, int64_t M, int64_t inter, float* out) {
@@ -959,28 +983,23 @@ at::Tensor block(const at::Tensor& x_in, at::TensorList qkv_t, at::IntArrayRef q
         std::memcpy(kdst + s_kv, row + qsz + ksz + kh * D, D * sizeof(float));
       }
     }
-  // attention, one task per (row, KV head); each row's visible slots in slot order
+  // attention, each row's visible slots in slot order.  A task is one KV head and a block of rows, so the
+  // head's keys and values (2 MB at a 4k context) stay in cache while the block's rows, and the thread's
+  // next blocks of the same head, read them; enough blocks that both threads have work.
   const float scale = 1.f / std::sqrt((float)D);
-  at::parallel_for(0, M * hkv, 1, [&](int64_t s, int64_t e) {
+  const int64_t nrb = std::min<int64_t>(M, std::max<int64_t>((M + 63) / 64, (2 * at::get_num_threads() + hkv - 1) / hkv));
+  const int64_t R = (M + nrb - 1) / nrb;
+  at::parallel_for(0, hkv * nrb, 1, [&](int64_t s, int64_t e) {
     std::vector<int32_t> idx(S);
     std::vector<float> sc(S * G);
-    int64_t have = -1;
-    int64_t n = 0;
     for (int64_t task = s; task < e; ++task) {
-      const int64_t m = task / hkv, kh = task % hkv, bi = m / T;
-      if (m != have) {
-        n = 0;
-        if (mp) {
-          const bool* mr = mp + m * S;
-          for (int64_t j = 0; j < S; ++j) if (mr[j]) idx[n++] = (int32_t)j;
-        } else {
-          for (int64_t j = 0; j < S; ++j) idx[n++] = (int32_t)j;  // no mask: every slot is visible
-        }
-        have = m;
+      const int64_t kh = task / nrb, rb = task % nrb;
+      for (int64_t m = rb * R; m < std::min(M, (rb + 1) * R); ++m) {
+        const int64_t n = visible(mp ? mp + m * S : nullptr, S, idx.data());
+        const float* kb = kvp + (m / T) * s_b + kh * s_h;
+        attend(qkv.data() + m * nqkv + kh * G * D, D, kb, kb + s_kv, s_s, idx.data(), n, G, D, scale, sc.data(),
+               buf.data() + m * qsz + kh * G * D, D);
       }
-      const float* kb = kvp + bi * s_b + kh * s_h;
-      attend(qkv.data() + m * nqkv + kh * G * D, D, kb, kb + s_kv, s_s, idx.data(), n, G, D, scale, sc.data(),
-             buf.data() + m * qsz + kh * G * D, D);
     }
   });
   // y = x + W_o att

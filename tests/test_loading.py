@@ -212,6 +212,27 @@ def test_the_tokenizer_equals_transformers(default_target):
         hf.apply_chat_template(two, tokenize=False, add_generation_prompt=True)
 
 
+def test_tokenizing_lets_other_threads_run(default_target):
+    """A megabyte prompt tokenized on a server's worker thread must not hold the GIL (a single ``encode`` of
+    the backend does, for the whole second, and stalls /health and every stream): the main thread keeps
+    waking up meanwhile, and the ids are the backend's own."""
+    import threading
+    import time
+
+    tok = default_target.tokenizer
+    text = "The quick brown fox jumps over the lazy dog. " * 45_000  # 2 MB
+    got, wakes = {}, []
+    worker = threading.Thread(target=lambda: got.update(ids=tok(text, add_special_tokens=False).input_ids))
+    worker.start()
+    while worker.is_alive():
+        time.sleep(0.002)
+        wakes.append(time.perf_counter())
+    worker.join()
+    assert len(wakes) >= 20, f"the main thread woke {len(wakes)} times while a 2 MB text was tokenized"
+    assert got["ids"][:50] == tok._tk.encode(text[:2000], add_special_tokens=False).ids[:50]
+    assert tok.encode_as_text("<|im_start|>x") == tok._text_only.encode("<|im_start|>x", add_special_tokens=False).ids
+
+
 def test_a_model_that_does_not_fit_is_refused_in_one_line(small_gguf, capsys, monkeypatch):
     monkeypatch.setattr(memory, "available", lambda: 50 << 20)
     rc, _, err = run_cli(capsys, "generate", "--target", str(small_gguf[0]), "Hi")

@@ -40,6 +40,13 @@ class Encoding:
     input_ids: list[int]
 
 
+def _ids(backend, text: str, add_special_tokens: bool) -> list[int]:
+    """``backend.encode(text).ids``, through the batch call: it lets go of the GIL while it works (a single
+    ``encode`` holds it, and a megabyte prompt on a server worker thread would stall every other request
+    for a second) and skips the character offsets nothing here uses.  The same ids."""
+    return backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+
+
 def _token_text(value) -> str | None:  # tokenizer_config.json writes a token as a string or {"content": ...}
     if isinstance(value, dict):
         value = value.get("content")
@@ -109,7 +116,7 @@ class Tokenizer:
         return getattr(self.hf, name)
 
     def __call__(self, text: str, add_special_tokens: bool = True) -> Encoding:
-        return Encoding(self._tk.encode(text, add_special_tokens=add_special_tokens).ids)
+        return Encoding(_ids(self._tk, text, add_special_tokens))
 
     def added_texts(self) -> list[str]:
         """The text of every added token (the special tokens among them): what ``__call__`` turns into
@@ -124,7 +131,7 @@ class Tokenizer:
 
             self._text_only = Backend.from_str(self._tk.to_str())
             self._text_only.encode_special_tokens = True
-        return self._text_only.encode(text, add_special_tokens=False).ids
+        return _ids(self._text_only, text, False)
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes one token stands for (a byte-level piece maps back through the byte alphabet; a

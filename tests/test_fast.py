@@ -212,6 +212,26 @@ def test_portable_mode_gives_the_same_logits_and_tokens(default_target):
     assert torch.equal(vec[0], port[0]) and torch.equal(vec[1], port[1]) and vec[2] == port[2]
 
 
+@needs_simd
+def test_long_contexts_give_the_portable_bits_on_every_path(default_target):
+    """Attention over hundreds of keys (the vector paths score 16 keys at a time, their reduction trees side
+    by side): a 330-token prefill and a tree after it equal the portable path's bits on every vector path."""
+    t, op = default_target, torch.ops.specdraft_quant
+    ids = list(range(200, 530))
+    tree = Tree(tokens=[504, 2988, 288, 17, 9, 33, 41], parents=[-1, 0, 0, 1, 3, 3, 2])
+
+    def run():
+        return t.prefill(ids, len(ids) + 10).logits.clone(), t.forward_tree(tree).logits.clone()
+
+    op.fast_set_isa(0)
+    port = run()
+    for which in range(1, op.fast_best_isa() + 1):
+        op.fast_set_isa(which)
+        got = run()
+        assert torch.equal(got[0], port[0]) and torch.equal(got[1], port[1]), fast.ISAS[which]
+    op.fast_set_isa(-1)
+
+
 def test_unknown_precision_is_refused(default_weights):
     with pytest.raises(SpecdraftError, match="unknown precision 'fastest'"):
         Target.load("default", precision="fastest")

@@ -695,6 +695,41 @@ static inline float dot_d(const float* a, const float* b, int64_t D) {  // 16 la
 // q . k_i in 16 lanes over the head dim then reduce16; sum_i e_i in 16 lanes by position i in the list;
 // sum_i e_i v_i in order of i.  The list is the row's own (its prefix and its ancestors), so it is the
 // same in a tree pass and a one-token pass.  sc: scratch [G][n].
+#if FAST_ISA == 2
+// (q . k_j) * scale for the 16 keys k_j = kbase + idx[j] * s_s, each exactly as the one-key loop computes it:
+// a_j = sum over c in order of q[16c..] * k_j[16c..] in 16 lanes, then reduce16's tree.  The trees of the 16
+// keys run side by side: each step adds the same two lanes reduce16 adds, for 2, 4, 8, 16 keys per vector.
+static inline __m512 scores16(const float* q, const float* kbase, int64_t s_s, const int32_t* idx, int64_t C,
+                              float scale) {
+  __m512 s1[8];  // step 1, keys 2p and 2p+1: lanes 0-7 = a_2p[i] + a_2p[i+8], lanes 8-15 the same of a_2p+1
+  for (int p = 0; p < 8; ++p) {
+    const float* k0 = kbase + idx[2 * p] * s_s;
+    const float* k1 = kbase + idx[2 * p + 1] * s_s;
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    for (int64_t c = 0; c < C; ++c) {
+      const __m512 qc = _mm512_loadu_ps(q + 16 * c);
+      a0 = _mm512_add_ps(a0, _mm512_mul_ps(qc, _mm512_loadu_ps(k0 + 16 * c)));
+      a1 = _mm512_add_ps(a1, _mm512_mul_ps(qc, _mm512_loadu_ps(k1 + 16 * c)));
+    }
+    s1[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm512_shuffle_f32x4(a0, a1, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  __m512 s2[4];  // step 2, keys 4u .. 4u+3, one a 128-bit lane: b[i] = a[i] + a[i+4]
+  for (int u = 0; u < 4; ++u)
+    s2[u] = _mm512_add_ps(_mm512_shuffle_f32x4(s1[2 * u], s1[2 * u + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_f32x4(s1[2 * u], s1[2 * u + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  __m512 s3[2];  // step 3, c[i] = b[i] + b[i+2]: 128-bit lane l holds c0, c1 of keys 8w+l and 8w+4+l
+  for (int w = 0; w < 2; ++w)
+    s3[w] = _mm512_add_ps(_mm512_shuffle_ps(s2[2 * w], s2[2 * w + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm512_shuffle_ps(s2[2 * w], s2[2 * w + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // step 4, c0 + c1: lane 4l + j holds key 4j + l; put key j in lane j
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_mul_ps(_mm512_permutexvar_ps(order, r), _mm512_set1_ps(scale));
+}
+#endif
+
 static void attend(const float* q, int64_t q_stride, const float* kbase, const float* vbase, int64_t s_s,
                    const int32_t* idx, int64_t n, int64_t G, int64_t D, float scale, float* sc, float* out,
                    int64_t out_stride) {
@@ -702,7 +737,14 @@ static void attend(const float* q, int64_t q_stride, const float* kbase, const f
 #if FAST_ISA == 2
   if (G <= 8 && D <= 256) {
     const int64_t C = D / 16;
-    for (int64_t i = 0; i < n; ++i) {  // scores: each key read once for the G heads
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)  // 16 keys at a time: their reduce16 trees side by side (scores16)
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 v = scores16(q + g * q_stride, kbase, s_s, idx + i, C, scale);
+        _mm512_storeu_ps(sc + g * n + i, v);
+        mx[g] = std::max(mx[g], _mm512_reduce_max_ps(v));  // a max: exact in any order
+      }
+    for (; i < n; ++i) {  // scores: each key read once for the G heads
       const float* k = kbase + idx[i] * s_s;
       for (int64_t g = 0; g < G; ++g) {
         const float* qg = q + g * q_stride;

@@ -416,7 +416,9 @@ class Batcher:
         if n == 1:  # a lone root: the drafter catches up before it next drafts
             s.deferred.append((acc.new_tokens, {k: v[:, acc.path].clone() for k, v in hidden.items()}))
         else:
+            t1 = time.perf_counter()
             s.drafter.commit(acc, ForwardOutput(logits=out.logits[:, seg.logit_row:seg.logit_row + n], hidden=hidden))
+            st.draft_s += time.perf_counter() - t1
         return s.length + s.budget + 2 > s.limit  # context exhausted (as in ``generate``)
 
     @staticmethod

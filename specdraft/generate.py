@@ -70,7 +70,7 @@ class GenerationStats:
     accept_hist: dict[int, int] = field(default_factory=dict)  # drafted tokens accepted -> passes
     tree_nodes: int = 0  # drafted nodes summed over passes
     prefill_s: float = 0.0
-    draft_s: float = 0.0
+    draft_s: float = 0.0  # the drafter's work: propose, and commit (reading the accepted features)
     verify_s: float = 0.0  # target tree passes + verification + cache compaction
     wall_s: float = 0.0  # everything, prefill included
     tok_s: float = 0.0  # new_tokens / wall_s
@@ -253,7 +253,9 @@ def generate(
         committed_by_passes += emit.push(acc.new_tokens, rows)
         done = emit.done
         if not done:
+            t3 = time.perf_counter()
             drafter.commit(acc, out)
+            stats.draft_s += time.perf_counter() - t3
         if target.length + budget + 2 > target.capacity and not done:
             done = True  # context exhausted
 

@@ -91,6 +91,35 @@ def test_block_mask_pass_equals_per_block_drafting(tiny_llama, modes, shape):
             assert abs(float(d.mode_prior().exp().sum()) - 1) < 1e-5
 
 
+@pytest.mark.parametrize("modes,shape", [(1, {}), (3, {}), (1, DFLASH)])
+def test_drafting_on_the_fast_kernel_equals_the_8_bit_network(tiny_llama, modes, shape):
+    """On the fast kernel (``prepack(int8=True)``) each drafter layer is one C++ call (q/k norm included),
+    the last computing only the rows the tree reads, and the top-k is taken in C++: the same numbers as the
+    network's own modules with the same 8-bit projections (to float rounding), at every depth."""
+    import copy
+
+    from specdraft.replay import sequence_hidden
+
+    _, target, _ = tiny_llama
+    model = _random_model(target, modes, vocab=40, gate=True, **shape)
+    module = copy.deepcopy(model)
+    assert model.prepack(int8=True) and module.prepack(int8=True, fused=False)
+    assert model.fast and all(layer.fast for layer in model.layers) and not module.fast
+    fast, slow = BlockDrafter(model), BlockDrafter(module)
+    seq = torch.randint(2, 96, (30,), generator=torch.Generator().manual_seed(3)).tolist()
+    hid = sequence_hidden(target, seq, fast.hidden_layers)
+    for n in (20, 27):
+        for depth in (4, 1, 2):
+            for d in (fast, slow):
+                d.reset(seq[:n], seq[n], ForwardOutput(None, {k: v[:, :n] for k, v in hid.items()}))
+            torch.testing.assert_close(fast.block_logp(depth), slow.block_logp(depth), atol=1e-4, rtol=0)
+            torch.testing.assert_close(fast.mode_prior(), slow.mode_prior(), atol=1e-5, rtol=0)
+            (ta, la), (tb, lb) = fast.marginals(5, depth), slow.marginals(5, depth)
+            assert torch.equal(ta, tb) and la.shape == (modes, depth, 5)
+            torch.testing.assert_close(la, lb, atol=1e-4, rtol=0)
+            assert fast.propose(depth).tokens == slow.propose(depth).tokens
+
+
 def test_dflash_shape(tiny_llama):
     """DFlash's shape: q/k norms in every layer, the mask rows are the target's frozen embedding of
     the mask token (no learned mask or mode embeddings), one mode; anything else is refused."""

@@ -125,6 +125,33 @@ def test_every_vector_implementation_gives_the_portable_bits(kind):
     op.fast_set_isa(-1)
 
 
+def test_logp_topk_on_every_path():
+    """The drafters' top-k in C++: torch's log-softmax top-k (values to float rounding, the same indices,
+    equal values lower index first), the same bits on every implementation, any k and row length."""
+    op = torch.ops.specdraft_quant
+    gen = torch.Generator().manual_seed(0)
+    for v, k in ((8192, 8), (100, 1), (37, 5), (16, 16), (3, 3)):
+        x = torch.randn(6, v, generator=gen) * 4
+        if v > 9:
+            x[1, 5] = x[1, 9] = x[1].max() + 1  # a tie at the top: index 5 first
+        ref = torch.log_softmax(x, -1)
+        results = []
+        for which in range(op.fast_best_isa() + 1):
+            op.fast_set_isa(which)
+            lp, idx = op.fast_logp_topk(x, k)
+            results.append((lp, idx))
+            assert idx.shape == lp.shape == (6, k) and idx.dtype == torch.long
+            torch.testing.assert_close(lp, ref.gather(1, idx), atol=2e-6, rtol=0)
+            torch.testing.assert_close(lp, ref.topk(k, -1).values, atol=2e-6, rtol=0)
+            assert bool((lp[:, :-1] >= lp[:, 1:]).all())
+            assert set(idx[0].tolist()) == set(x[0].topk(k).indices.tolist())  # no ties in row 0
+            if v > 9 and k > 1:
+                assert idx[1, :2].tolist() == [5, 9]
+        for lp, idx in results[1:]:
+            assert torch.equal(lp, results[0][0]) and torch.equal(idx, results[0][1])
+    op.fast_set_isa(-1)
+
+
 def test_the_isa_in_use_is_reported():
     assert fast.isa() in fast.ISAS
     assert fast.ISAS.index(fast.isa()) == torch.ops.specdraft_quant.fast_best_isa()

@@ -152,6 +152,44 @@ def test_drafting_steps_equal_the_training_maths(tiny_llama, kind):
     check_drafting_equals_training(target, model, HybridDrafter(model, HybridOptions(topk=8, beams=8)))
 
 
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_drafting_on_the_fast_kernel_equals_the_8_bit_network(tiny_llama, kind):
+    """On the fast kernel (``prepack(int8=True)``) each serial step is one C++ call per layer and the top-k is
+    taken in C++: the same levels as the network's own modules with the same 8-bit projections (to float
+    rounding), after a prefill and after a commit; the steps' K/V go through the cache's scratch slots."""
+    import copy
+
+    from specdraft.replay import sequence_hidden
+
+    _, target, _ = tiny_llama
+    model = _random_model(target, *CONFIGS[kind], vocab=48)
+    module = copy.deepcopy(model)
+    assert model.prepack(int8=True) and module.prepack(int8=True, fused=False)
+    assert model.fast and model.fast_serial == (CONFIGS[kind][0] > 0) and not module.fast_serial
+    fast, slow = HybridDrafter(model, HybridOptions(topk=6, beams=3)), HybridDrafter(module, HybridOptions(topk=6, beams=3))
+    seq = torch.randint(2, 96, (30,), generator=torch.Generator().manual_seed(3)).tolist()
+    hid = sequence_hidden(target, seq, fast.hidden_layers)
+    p = 12
+
+    def same() -> None:
+        a, b = fast.levels(12), slow.levels(12)
+        assert len(a) == len(b)
+        for la, lb in zip(a, b):
+            assert la.parents == lb.parents and la.tokens == lb.tokens
+            assert max(abs(x - y) for x, y in zip(la.logps, lb.logps)) < 1e-4
+
+    for d in (fast, slow):
+        d.reset(seq[:p], seq[p], ForwardOutput(None, {k: v[:, :p] for k, v in hid.items()}))
+    same()
+    path = [0, 2, 4]
+    fake = {k: torch.full((1, 6, v.shape[-1]), float("nan")) for k, v in hid.items()}
+    for k, v in hid.items():
+        fake[k][0, path] = v[0, p : p + 3]
+    for d in (fast, slow):
+        d.commit(Accepted(path=path, tokens=seq[p + 1 : p + 3], bonus=seq[p + 3]), ForwardOutput(None, fake))
+    same()
+
+
 def test_each_feature_layer_is_normalised_before_fusing(tiny_llama):
     """A middle layer's massive activations (SmolLM2-135M: |x| up to 2.5e4) must not
     swamp the fused feature: scaling one layer's feature leaves the fused state unchanged, while

@@ -72,12 +72,19 @@ class TrainedOptions:
     int8: int = -1  # 1 = drafting matmuls on the fast kernel (Q8_0 weights, 8-bit activations; wins over bf16),
     # 0 = off, -1 = 1 when the target runs in the fast precision mode
     ngram: int = 0  # tree nodes given to prompt-lookup candidates (0 = none; ``drafters.combine``)
+    fused: int = 1  # with int8: 1 = each decoder layer one C++ call and the top-k in C++, 0 = torch's modules
+    # around the same 8-bit projections (the reference; slower)
+    wbits: int = 8  # with int8: the weights rounded to 8-bit (Q8_0) or 4-bit (Q4_0, half the bytes a step reads) blocks
 
     def __post_init__(self) -> None:
         if self.bf16 not in (-1, 0, 1):
             raise SpecdraftError(f"option bf16 must be 0 or 1 (got {self.bf16})")
         if self.int8 not in (-1, 0, 1):
             raise SpecdraftError(f"option int8 must be 0 or 1 (got {self.int8})")
+        if self.wbits not in (4, 8):
+            raise SpecdraftError(f"option wbits must be 8 or 4 (got {self.wbits})")
+        if self.fused not in (0, 1):
+            raise SpecdraftError(f"option fused must be 0 or 1 (got {self.fused})")
         if self.ngram < 0:
             raise SpecdraftError(f"option ngram must be >= 0 (tree nodes given to prompt lookup; got {self.ngram})")
 
@@ -88,7 +95,8 @@ def prepare_network(model, target, options: TrainedOptions):
     (``options.bf16``; by default where the CPU has native bfloat16), else as loaded.  Drafting is
     lossless whatever its arithmetic: the target verifies."""
     int8 = options.int8 == 1 or (options.int8 < 0 and target.precision == "fast")
-    if int8 and target.device.type == "cpu" and model.prepack(int8=True):  # the fast kernel is CPU code
+    kind = "Q8_0" if options.wbits == 8 else "Q4_0"
+    if int8 and target.device.type == "cpu" and model.prepack(int8=True, fused=bool(options.fused), kind=kind):
         return model
     if options.bf16 == 1 or (options.bf16 < 0 and native_bf16(target.device)):
         model = model.to(torch.bfloat16)  # RoPE angles stay fp32 (DraftModel.inv_freq is no buffer)

@@ -71,8 +71,9 @@ class BlockDrafter(TrainedDrafter):
         k = model.cfg.modes
         super().__init__(model, options or BlockOptions(), name or ("mfd" if k > 1 else "block"), manifest, model.cfg.layers)
         self.tree = self.opts.tree or ("mixture" if k > 1 else "ddtree")
-        self._logp: Tensor | None = None  # [K, D, V'] of the current state, computed on demand
-        self._prior: Tensor | None = None  # [K] log pi_k of the current state, with _logp
+        self._logits: Tensor | None = None  # [K, depth, V'] of the current state, computed on demand
+        self._logp: Tensor | None = None  # their log-softmax, when asked for
+        self._prior: Tensor | None = None  # [K] log pi_k of the current state, with _logits
 
     # ------------------------------------------------------------------ protocol
     @torch.inference_mode()
@@ -93,7 +94,7 @@ class BlockDrafter(TrainedDrafter):
         pos = torch.arange(n, n + t, device=feats.device)[None]
         self.cache.write(self.model.context_kv(self.model.context(feats), pos), n)
         self.n = n + t
-        self._logp = None
+        self._logits = self._logp = None
 
     # ------------------------------------------------------------------ drafting
     @torch.inference_mode()
@@ -101,28 +102,67 @@ class BlockDrafter(TrainedDrafter):
         """Log-probabilities [K, depth, V'] over the draft vocabulary of the next block's first
         ``depth`` positions (default all D; all K modes in one pass over the shared context).  A
         tree of budget b never goes deeper than b, so propose scores only min(D, b) rows."""
-        depth = self.cfg.depth if depth is None else max(1, min(depth, self.cfg.depth))
-        if self._logp is None or self._logp.shape[1] < depth:
-            m, cfg, n = self.model, self.cfg, self.n
-            dev = m.head_w.device
-            x = m.block_inputs(torch.tensor([self.root], device=dev))  # [1, K, B, H]
-            pos = (n + torch.arange(cfg.block_size, device=dev)).repeat(cfg.modes)[None]  # [1, K*B]
-            ctx = self.cache.past(n)
-            h = m.run_blocks(x.flatten(1, 2), pos, modes_mask(cfg.modes, cfg.block_size, n, dev), ctx)
-            h = h.view(cfg.modes, cfg.block_size, -1)  # [K, B, H]: row 0 = the root, rows 1 .. B-1 draft positions 1 .. D
-            self._logp = torch.log_softmax(m.logits(h[:, 1 : depth + 1]).float(), -1)
-            self._prior = m.mode_logp(h[:, 0])
+        depth = self._score(depth)
+        if self._logp is None:
+            self._logp = torch.log_softmax(self._logits, -1)
         return self._logp[:, :depth]
+
+    def _score(self, depth: int | None) -> int:
+        """Make sure the logits of the next block's first ``depth`` positions (default D) and the mode prior
+        are here; returns that depth (capped at D)."""
+        depth = self.cfg.depth if depth is None else max(1, min(depth, self.cfg.depth))
+        if self._logits is None or self._logits.shape[1] < depth:
+            h = self._block_states(depth) if self.model.fast else self._block_states_module()
+            self._logits = self.model.logits(h[:, 1 : depth + 1]).float()  # [K, depth, V']
+            self._prior = self.model.mode_logp(h[:, 0])
+            self._logp = None
+        return depth
+
+    def _block_states_module(self) -> Tensor:
+        """The block's final states [K, B, H] (row 0 = the root, rows 1 .. B-1 draft positions 1 .. D),
+        through the network's modules."""
+        m, cfg, n = self.model, self.cfg, self.n
+        dev = m.head_w.device
+        x = m.block_inputs(torch.tensor([self.root], device=dev))  # [1, K, B, H]
+        pos = (n + torch.arange(cfg.block_size, device=dev)).repeat(cfg.modes)[None]  # [1, K*B]
+        h = m.run_blocks(x.flatten(1, 2), pos, modes_mask(cfg.modes, cfg.block_size, n, dev), self.cache.past(n))
+        return h.view(cfg.modes, cfg.block_size, -1)
+
+    def _block_states(self, depth: int) -> Tensor:
+        """The block's first depth+1 final states of each mode [K, depth+1, H], each layer one call of the
+        fast kernel.  The rows go in mode by mode with the ones read first (rows 0 .. depth), the rest after:
+        the last layer computes only what the tree reads; the others give the keys and values the block's
+        bidirectional attention needs.  The block rows' K/V land in the cache past the committed slots."""
+        m, cfg, n = self.model, self.cfg, self.n
+        k, b = cfg.modes, cfg.block_size
+        order = [i * b + j for i in range(k) for j in range(depth + 1)] + \
+                [i * b + j for i in range(k) for j in range(depth + 1, b)]  # kept rows first
+        idx = torch.tensor(order)
+        x = m.block_inputs(torch.tensor([self.root])).flatten(1, 2)[:, idx].float().contiguous()  # [1, K*B, H]
+        rot = m.rot_rows((n + idx % b)[None])  # [1, K*B, D/2, 2]
+        mask = modes_mask(k, b, n)
+        if mask is not None:  # [1, K*B, n+K*B], queries and block keys in the new order
+            mask = mask[0, :, idx][:, :, torch.cat([torch.arange(n), n + idx])].contiguous()
+        self.cache.reserve(n + k * b, n, m.head_w)
+        last = len(m.layers) - 1
+        for i, layer in enumerate(m.layers):
+            x = layer.fast_forward(x, rot, mask, self.cache.kv[i], n, k * (depth + 1) if i == last else -1)
+        return m.norm(x.view(k, depth + 1, -1))
 
     def mode_prior(self) -> Tensor:
         """log pi_k [K] of the next block: the gate's (uniform for an ungated drafter)."""
-        if self._logp is None:
-            self.block_logp()
+        self._score(None if self._logits is None else self._logits.shape[1])
         return self._prior
 
     def marginals(self, k: int, depth: int | None = None) -> tuple[Tensor, Tensor]:
         """Per mode and depth the top-k draft tokens (target ids) and their log-probabilities, sorted
         descending: (tokens LongTensor [K, depth, k], logp FloatTensor [K, depth, k]; depth default D)."""
+        if self.model.fast:  # the top-k in C++, from the logits: no V'-wide log-softmax
+            depth = self._score(depth)
+            k = min(k, self._logits.shape[-1])
+            lp, idx = torch.ops.specdraft_quant.fast_logp_topk(self._logits[:, :depth].reshape(-1, self._logits.shape[-1]), k)
+            shape = (self.cfg.modes, depth, k)
+            return self.model.vocab_ids[idx.view(shape)], lp.view(shape)
         top = self.block_logp(depth).topk(min(k, self.model.head_w.shape[0]), -1)
         return self.model.vocab_ids[top.indices], top.values
 
@@ -131,7 +171,7 @@ class BlockDrafter(TrainedDrafter):
             return Tree.single(self.root)
         k = min(self.opts.topk, budget)
         depth = min(self.cfg.depth, budget)  # no path of a budget-b tree is longer than b
-        self.block_logp(depth)
+        self._score(depth)
         prior = self.mode_prior()  # [K]
         if self.tree == "linear":
             tokens, logp = self.marginals(1, depth)  # [K, depth, 1]
@@ -141,8 +181,11 @@ class BlockDrafter(TrainedDrafter):
         if self.tree == "mixture":
             tokens, logp = self.marginals(k, depth)
             return mixture_tree(self.root, tokens, logp, budget, prior=prior if self.cfg.gate else None).tree
+        if self.cfg.modes == 1:  # the product tree over the one mode's marginals
+            tokens, logp = self.marginals(k, depth)
+            return ddtree(self.root, tokens[0], logp[0], budget).tree
         lp = self.block_logp(depth)  # [K, depth, V']: the product tree over the modes' mixture sum_k pi_k q_k
-        avg = lp[0] if lp.shape[0] == 1 else torch.logsumexp(lp + prior[:, None, None], 0)  # [D, V']
+        avg = torch.logsumexp(lp + prior[:, None, None], 0)  # [D, V']
         top = avg.topk(min(k, avg.shape[-1]), -1)
         return ddtree(self.root, self.model.vocab_ids[top.indices], top.values, budget).tree
 

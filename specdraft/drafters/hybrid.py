@@ -177,17 +177,26 @@ class HybridDrafter(TrainedDrafter):
             mask[0, 0, :, n:] = torch.tril(mask[0, 0, :, n:])
         pos = torch.arange(n, n + t, device=dev)[None]
         toks = torch.tensor([next_tokens], device=dev)
-        h, new = self.model.serial(g[None], toks, pos, mask, self.cache.past(n))
-        self.cache.write(new, n)
+        h = self._step(g[None], toks, pos, mask, n)
         self.n = n + t
         self.state = h[0, -1]
+
+    def _step(self, state: Tensor, tokens: Tensor, positions: Tensor, mask: Tensor | None, start: int) -> Tensor:
+        """One serial step over T rows (``HybridModel.serial``) that attend to cache slots 0 .. start-1 and to
+        each other as ``mask`` [1, 1, T, start+T] allows (None: all); their K/V are written at slots
+        start .. start+T-1.  On the fast kernel each layer is one C++ call.  Returns out [1, T, H]."""
+        m = self.model
+        if getattr(m, "fast_serial", False):  # EAGLE-3's layer reads 2H: its module path
+            return m.serial_fast(state, tokens, positions, None if mask is None else mask[:, 0], self.cache.kv, start)
+        h, new = m.serial(state, tokens, positions, mask, self.cache.past(start))
+        self.cache.write(new, start)
+        return h
 
     # ------------------------------------------------------------------ drafting
     def _topk(self, h: Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
         """Top-k draft tokens (target ids) and log-probabilities of the rows of ``h`` [..., H]."""
-        lp = torch.log_softmax(self.model.logits(h).float(), -1)
-        top = lp.topk(min(k, lp.shape[-1]), -1)
-        return self.model.vocab_ids[top.indices].tolist(), top.values.tolist()
+        tokens, lp = self.model.top_logp(h, k)
+        return tokens.tolist(), lp.tolist()
 
     @torch.inference_mode()
     def levels(self, budget: int) -> list[Level]:
@@ -207,27 +216,25 @@ class HybridDrafter(TrainedDrafter):
         levels.append(lv)
         states = [[self.state] for _ in lv.tokens]  # per node: h^1 .. h^depth along its path
         rows = [[] for _ in lv.tokens]  # per node: its ancestors' rows in the step blocks 2 .. depth
-        blocks: list[list[tuple[Tensor, Tensor]]] = []  # per step >= 2: per layer (k, v) [1, Hkv, beams, D]
-        past = self.cache.past(self.n)
+        blocks: list[int] = []  # per step >= 2: its rows, whose K/V sit in the cache after the committed slots
+        self.cache.reserve(self.n + width * max_depth, self.n, m.head_w)
         for s in range(2, min(cfg.serial, max_depth) + 1):
             beam = list(range(min(width, len(lv.tokens))))  # levels are sorted best first
             nb = len(beam)
             # mask: every committed slot, the beam's own ancestors in earlier step blocks, itself
-            mask = torch.zeros(1, 1, nb, self.n + sum(b[0][0].shape[2] for b in blocks) + nb, dtype=torch.bool, device=dev)
+            mask = torch.zeros(1, 1, nb, self.n + sum(blocks) + nb, dtype=torch.bool, device=dev)
             mask[..., : self.n] = True
             off = self.n
-            for r, blk in enumerate(blocks):
+            for r, size in enumerate(blocks):
                 for i, b in enumerate(beam):
                     mask[0, 0, i, off + rows[b][r]] = True
-                off += blk[0][0].shape[2]
+                off += size
             mask[0, 0, :, off:] = torch.eye(nb, dtype=torch.bool, device=dev)
-            keys = [(torch.cat([pk] + [blk[i][0] for blk in blocks], 2), torch.cat([pv] + [blk[i][1] for blk in blocks], 2))
-                    for i, (pk, pv) in enumerate(past)]
             st = torch.stack([states[b][-1] for b in beam])[None]  # [1, nb, H]
             tk = torch.tensor([[lv.tokens[b] for b in beam]], device=dev)
             pos = torch.full((1, nb), self.n + s - 2, device=dev)
-            h, new = m.serial(st, tk, pos, mask, keys)
-            blocks.append(new)
+            h = self._step(st, tk, pos, mask, off)
+            blocks.append(nb)
             toks, lps = self._topk(h[0], k)
             lv, cums = expand_level([cums[b] for b in beam], toks, lps, budget)
             states = [states[beam[p]] + [h[0, p]] for p in lv.parents]

@@ -961,18 +961,24 @@ std::tuple<at::Tensor, at::Tensor> head(const at::Tensor& x, const at::Tensor& n
 
 // One decoder block (llama.Block.forward's maths) in the fast mode:
 //   x [B, T, H]; rot [B, T, D/2, 2] (cos, sin) per pair; mask bool [B, T, start+T] (true = may attend)
-//   or none (every slot visible); kv [2, B, Hkv, S, D] written at slots start .. start+T-1.
+//   or none (every slot visible); kv [2, B, Hkv, S, D] written at slots start .. start+T-1.  A drafter's
+//   layer also takes qk_norm [2, D] (an RMSNorm over each q / k head before RoPE, DFlash's) and out_rows: only
+//   the first out_rows rows of each sequence come out (the others give their keys and values only).
 at::Tensor block(const at::Tensor& x_in, at::TensorList qkv_t, at::IntArrayRef qkv_meta,
                  const std::optional<at::Tensor>& s_attn, const std::optional<at::Tensor>& bqkv, at::TensorList o_t,
                  at::IntArrayRef o_meta, at::TensorList gu_t, at::IntArrayRef gu_meta,
                  const std::optional<at::Tensor>& s_mlp, at::TensorList dn_t, at::IntArrayRef dn_meta,
                  const at::Tensor& rot, const std::optional<at::Tensor>& mask, const at::Tensor& kv, int64_t start,
-                 double eps, int64_t hq, int64_t hkv, int64_t D) {
+                 double eps, int64_t hq, int64_t hkv, int64_t D, const std::optional<at::Tensor>& qk_norm,
+                 int64_t out_rows) {
   TORCH_CHECK(x_in.is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() == 3, "fast block: x [B, T, H] fp32 on the CPU");
   TORCH_CHECK(D % 16 == 0 && hq % hkv == 0, "fast block: head size a multiple of 16");
   at::Tensor x = x_in.contiguous();
   const int64_t B = x.size(0), T = x.size(1), H = x.size(2), M = B * T, qsz = hq * D, ksz = hkv * D, G = hq / hkv;
-  const int64_t S = start + T, half = D / 2;
+  const int64_t S = start + T, half = D / 2, To = out_rows < 0 ? T : out_rows, Mo = B * To;
+  TORCH_CHECK(To >= 1 && To <= T, "fast block: out_rows in 1 .. T (or -1 = T)");
+  TORCH_CHECK(!qk_norm || (qk_norm->is_contiguous() && qk_norm->numel() == 2 * D && qk_norm->scalar_type() == at::kFloat),
+              "fast block: qk_norm [2, D] fp32 (the q and the k head norm's weights)");
   TORCH_CHECK(kv.is_cpu() && kv.scalar_type() == at::kFloat && kv.is_contiguous() && kv.dim() == 5 && kv.size(0) == 2 &&
                   kv.size(1) == B && kv.size(2) == hkv && kv.size(4) == D,
               "fast block: a contiguous fp32 cache [2, B, Hkv, S, D] on the CPU");
@@ -1012,6 +1018,14 @@ at::Tensor block(const at::Tensor& x_in, at::TensorList qkv_t, at::IntArrayRef q
     const float* bb = bqkv->data_ptr<float>();
     for (int64_t m = 0; m < M; ++m) for (int64_t j = 0; j < nqkv; ++j) qkv[m * nqkv + j] = qkv[m * nqkv + j] + bb[j];
   }
+  if (qk_norm) {  // RMSNorm over each q and k head (Qwen3's layers, DFlash's), before RoPE
+    const float* qn = qk_norm->data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t hh = 0; hh < hq + hkv; ++hh) {
+        float* p = qkv.data() + m * nqkv + hh * D;
+        rms_rows(p, 1, D, eps, qn + (hh < hq ? 0 : D), p);
+      }
+  }
   rope_rows(qkv.data(), M, nqkv, hq + hkv, D, rp);
   // K/V into the cache
   float* kvp = kv.data_ptr<float>();
@@ -1025,45 +1039,132 @@ at::Tensor block(const at::Tensor& x_in, at::TensorList qkv_t, at::IntArrayRef q
         std::memcpy(kdst + s_kv, row + qsz + ksz + kh * D, D * sizeof(float));
       }
     }
+  // From here on only the first To rows of each sequence (r = 0 .. Mo-1 stands for row m(r)): the others
+  // gave their keys and values, and a caller that reads no output of theirs (a drafter's block rows past
+  // the depth it scores) skips their attention, W_o and MLP.
+  auto row = [&](int64_t r) { return (r / To) * T + r % To; };
   // attention, each row's visible slots in slot order.  A task is one KV head and a block of rows, so the
   // head's keys and values (2 MB at a 4k context) stay in cache while the block's rows, and the thread's
   // next blocks of the same head, read them; enough blocks that both threads have work.
   const float scale = 1.f / std::sqrt((float)D);
-  const int64_t nrb = std::min<int64_t>(M, std::max<int64_t>((M + 63) / 64, (2 * at::get_num_threads() + hkv - 1) / hkv));
-  const int64_t R = (M + nrb - 1) / nrb;
+  const int64_t nrb = std::min<int64_t>(Mo, std::max<int64_t>((Mo + 63) / 64, (2 * at::get_num_threads() + hkv - 1) / hkv));
+  const int64_t R = (Mo + nrb - 1) / nrb;
   at::parallel_for(0, hkv * nrb, 1, [&](int64_t s, int64_t e) {
     std::vector<int32_t> idx(S);
     std::vector<float> sc(S * G);
     for (int64_t task = s; task < e; ++task) {
       const int64_t kh = task / nrb, rb = task % nrb;
-      for (int64_t m = rb * R; m < std::min(M, (rb + 1) * R); ++m) {
+      for (int64_t r = rb * R; r < std::min(Mo, (rb + 1) * R); ++r) {
+        const int64_t m = row(r);
         const int64_t n = visible(mp ? mp + m * S : nullptr, S, idx.data());
         const float* kb = kvp + (m / T) * s_b + kh * s_h;
         attend(qkv.data() + m * nqkv + kh * G * D, D, kb, kb + s_kv, s_s, idx.data(), n, G, D, scale, sc.data(),
-               buf.data() + m * qsz + kh * G * D, D);
+               buf.data() + r * qsz + kh * G * D, D);
       }
     }
   });
   // y = x + W_o att
-  at::Tensor y = at::empty({B, T, H}, opt);
+  at::Tensor y = at::empty({B, To, H}, opt);
   float* yp = y.data_ptr<float>();
-  quantize_rows(buf.data(), M, qsz, qx);
-  linear_q(qx, M, wo, yp, H);
-  for (int64_t i = 0; i < M * H; ++i) yp[i] = yp[i] + xp[i];
+  quantize_rows(buf.data(), Mo, qsz, qx);
+  linear_q(qx, Mo, wo, yp, H);
+  for (int64_t r = 0; r < Mo; ++r) {
+    const float* xr = xp + row(r) * H;
+    float* yr = yp + r * H;
+    for (int64_t i = 0; i < H; ++i) yr[i] = yr[i] + xr[i];
+  }
   // out = y + W_down (silu(gate) * up),  gate|up = W_gu RMSNorm(y)
-  rms_rows(yp, M, H, eps, s_mlp ? s_mlp->data_ptr<float>() : nullptr, buf.data());
-  quantize_rows(buf.data(), M, H, qx);
-  std::vector<float> gu(M * 2 * inter);
-  linear_q(qx, M, wgu, gu.data(), 2 * inter);
-  silu_rows(gu.data(), M, inter, buf.data());
-  quantize_rows(buf.data(), M, inter, qx);
-  at::Tensor out = at::empty({B, T, H}, opt);
+  rms_rows(yp, Mo, H, eps, s_mlp ? s_mlp->data_ptr<float>() : nullptr, buf.data());
+  quantize_rows(buf.data(), Mo, H, qx);
+  std::vector<float> gu(Mo * 2 * inter);
+  linear_q(qx, Mo, wgu, gu.data(), 2 * inter);
+  silu_rows(gu.data(), Mo, inter, buf.data());
+  quantize_rows(buf.data(), Mo, inter, qx);
+  at::Tensor out = at::empty({B, To, H}, opt);
   float* op = out.data_ptr<float>();
-  linear_q(qx, M, wd, op, H);
-  for (int64_t i = 0; i < M * H; ++i) op[i] = op[i] + yp[i];
+  linear_q(qx, Mo, wd, op, H);
+  for (int64_t i = 0; i < Mo * H; ++i) op[i] = op[i] + yp[i];
   return out;
 }
 
+
+static inline bool any_above16(const float* x, float t) {  // whether any of x[0 .. 15] > t
+#if FAST_ISA == 2
+  return _mm512_cmp_ps_mask(_mm512_loadu_ps(x), _mm512_set1_ps(t), _CMP_GT_OQ) != 0;
+#elif FAST_ISA == 1
+  const __m256 tt = _mm256_set1_ps(t);
+  return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(_mm256_loadu_ps(x), tt, _CMP_GT_OQ),
+                                         _mm256_cmp_ps(_mm256_loadu_ps(x + 8), tt, _CMP_GT_OQ))) != 0;
+#else
+  for (int l = 0; l < 16; ++l)
+    if (x[l] > t) return true;
+  return false;
+#endif
+}
+
+// Log-softmax top-k of logits rows [M, V]: per row the k largest, descending (equal values: the lower index
+// first), as log-probabilities x_i - (max + log sum_j exp(x_j - max)); the sum in 16 lanes by index, then
+// reduce16.  (values [M, k], indices [M, k] int64.)  For drafters, which need a few candidates per row and
+// never the whole distribution: one pass over the row, no V-sized temporaries.
+std::tuple<at::Tensor, at::Tensor> logp_topk(const at::Tensor& logits, int64_t k) {
+  TORCH_CHECK(logits.is_cpu() && logits.dim() == 2 && logits.scalar_type() == at::kFloat, "fast logp_topk: logits [M, V] fp32");
+  at::Tensor lc = logits.contiguous();
+  const int64_t M = lc.size(0), V = lc.size(1);
+  TORCH_CHECK(k >= 1 && k <= V, "fast logp_topk: 1 <= k <= V");
+  at::Tensor val = at::empty({M, k}, lc.options()), ind = at::empty({M, k}, lc.options().dtype(at::kLong));
+  const float* lp = lc.data_ptr<float>();
+  float* vp = val.data_ptr<float>();
+  int64_t* ip = ind.data_ptr<int64_t>();
+  at::parallel_for(0, M, 1, [&](int64_t s, int64_t e) {
+    std::vector<float> tv(k);
+    std::vector<int64_t> ti(k);
+    for (int64_t m = s; m < e; ++m) {
+      const float* x = lp + m * V;
+      int64_t n = 0;  // kept so far, tv sorted descending
+      float mx = -INFINITY;
+      auto take = [&](int64_t i) {
+        const float v = x[i];
+        mx = std::max(mx, v);
+        if (n == k && !(v > tv[k - 1])) return;
+        int64_t j = n < k ? n++ : k - 1;
+        for (; j > 0 && v > tv[j - 1]; --j) { tv[j] = tv[j - 1]; ti[j] = ti[j - 1]; }
+        tv[j] = v;
+        ti[j] = i;
+      };
+      int64_t i0 = 0;
+      for (; i0 < std::min(V, k); ++i0) take(i0);
+      for (; i0 + 16 <= V; i0 += 16) {  // 16 at a time: most chunks hold nothing above the k-th kept
+        if (!any_above16(x + i0, tv[k - 1])) continue;  // (nor above the max, which is tv[0])
+        for (int64_t i = i0; i < i0 + 16; ++i) take(i);
+      }
+      for (; i0 < V; ++i0) take(i0);
+      float acc[16] = {0.f};
+      int64_t i = 0;
+#if FAST_ISA == 2
+      __m512 a = _mm512_setzero_ps();
+      for (; i + 16 <= V; i += 16) a = _mm512_add_ps(a, exp_v(_mm512_sub_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(mx))));
+      _mm512_storeu_ps(acc, a);
+#elif FAST_ISA == 1
+      __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+      for (; i + 16 <= V; i += 16) {
+        lo = _mm256_add_ps(lo, exp_v8(_mm256_sub_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(mx))));
+        hi = _mm256_add_ps(hi, exp_v8(_mm256_sub_ps(_mm256_loadu_ps(x + i + 8), _mm256_set1_ps(mx))));
+      }
+      _mm256_storeu_ps(acc, lo);
+      _mm256_storeu_ps(acc + 8, hi);
+#endif
+      for (; i + 16 <= V; i += 16)
+        for (int l = 0; l < 16; ++l) acc[l] = acc[l] + exp_s(x[i + l] - mx);
+      for (int l = 0; i < V; ++i, ++l) acc[l] = acc[l] + exp_s(x[i] - mx);
+      const float lse = mx + std::log(reduce16(acc));
+      for (int64_t j = 0; j < k; ++j) {
+        vp[m * k + j] = tv[j] - lse;
+        ip[m * k + j] = ti[j];
+      }
+    }
+  });
+  return {val, ind};
+}
 
 }  // namespace FAST_NS
 // FAST-BODY end
@@ -1101,10 +1202,12 @@ at::Tensor block(const at::Tensor& x, at::TensorList qkv, at::IntArrayRef qkv_me
                  const std::optional<at::Tensor>& bqkv, at::TensorList o, at::IntArrayRef o_meta, at::TensorList gu,
                  at::IntArrayRef gu_meta, const std::optional<at::Tensor>& s_mlp, at::TensorList dn,
                  at::IntArrayRef dn_meta, const at::Tensor& rot, const std::optional<at::Tensor>& mask,
-                 const at::Tensor& kv, int64_t start, double eps, int64_t hq, int64_t hkv, int64_t D) {
+                 const at::Tensor& kv, int64_t start, double eps, int64_t hq, int64_t hkv, int64_t D,
+                 const std::optional<at::Tensor>& qk_norm, int64_t out_rows) {
   return FAST_DISPATCH(block, x, qkv, qkv_meta, s_attn, bqkv, o, o_meta, gu, gu_meta, s_mlp, dn, dn_meta, rot, mask, kv,
-                       start, eps, hq, hkv, D);
+                       start, eps, hq, hkv, D, qk_norm, out_rows);
 }
+std::tuple<at::Tensor, at::Tensor> logp_topk(const at::Tensor& logits, int64_t k) { return FAST_DISPATCH(logp_topk, logits, k); }
 void set_isa(int64_t which) {
   TORCH_CHECK(which >= -1 && which <= best_isa(), "fast_set_isa: -1 (the best) or 0 .. ", best_isa(), " on this CPU");
   g_isa = which;
@@ -1121,7 +1224,9 @@ TORCH_LIBRARY_FRAGMENT(specdraft_quant, lib) {
           &fastk::head);
   lib.def("fast_block(Tensor x, Tensor[] qkv, int[] qkv_meta, Tensor? s_attn, Tensor? bqkv, Tensor[] o, int[] o_meta, "
           "Tensor[] gu, int[] gu_meta, Tensor? s_mlp, Tensor[] dn, int[] dn_meta, Tensor rot, Tensor? mask, "
-          "Tensor(a!) kv, int start, float eps, int hq, int hkv, int d) -> Tensor", &fastk::block);
+          "Tensor(a!) kv, int start, float eps, int hq, int hkv, int d, Tensor? qk_norm=None, int out_rows=-1) -> Tensor",
+          &fastk::block);
+  lib.def("fast_logp_topk(Tensor logits, int k) -> (Tensor, Tensor)", &fastk::logp_topk);
   lib.def("fast_set_isa(int which) -> ()", &fastk::set_isa);
   lib.def("fast_set_portable(bool on) -> ()", &fastk::set_portable);
   lib.def("fast_isa() -> int", &fastk::current_isa);

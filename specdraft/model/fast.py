@@ -134,10 +134,10 @@ class FastWeight:
         return cls(sum(p[1] for p in parts), raws[0].cols, parts)
 
     @classmethod
-    def from_dense(cls, w: Tensor) -> "FastWeight":
-        """A float matrix [rows, cols] (cols a multiple of 32) rounded to Q8_0 blocks (as llama.cpp's
-        quantizer does) and repacked: for drafter networks, which have no GGUF blocks."""
-        return cls.from_raw(q8_raw(w))
+    def from_dense(cls, w: Tensor, kind: str = "Q8_0") -> "FastWeight":
+        """A float matrix [rows, cols] (cols a multiple of 32) rounded to ``kind``'s blocks (Q8_0 or Q4_0, as
+        llama.cpp's quantizer does) and repacked: for drafter networks, which have no GGUF blocks."""
+        return cls.from_raw(q8_raw(w) if kind == "Q8_0" else dense_raw(w, kind))
 
     def args(self) -> tuple[list[Tensor], list[int]]:
         """(tensors, meta): [qs, d, m, sc] and [kind, rows] per part, as the C++ ops take a weight."""
@@ -155,39 +155,51 @@ class FastWeight:
 
 
 class QuantLinear(nn.Module):
-    """Stand-in for an ``nn.Linear`` at inference: its weight rounded to Q8_0 and multiplied on the fast
-    kernel (8-bit activations); output in the input's dtype.  ``weight`` and ``bias`` stay readable."""
+    """Stand-in for an ``nn.Linear`` at inference: its weight rounded to Q8_0 (or ``kind``: Q4_0) and
+    multiplied on the fast kernel (8-bit activations); output in the input's dtype.  ``weight`` and
+    ``bias`` stay readable."""
 
-    def __init__(self, lin: nn.Linear) -> None:
+    def __init__(self, lin: nn.Linear, kind: str = "Q8_0") -> None:
         super().__init__()
         self.weight, self.bias = lin.weight, lin.bias
         self.in_features, self.out_features = lin.in_features, lin.out_features
-        self.mm = FastWeight.from_dense(lin.weight)
+        self.mm = FastWeight.from_dense(lin.weight, kind)
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.mm(x).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 
-def quantize_linears(module: nn.Module) -> int:
+def quantize_linears(module: nn.Module, kind: str = "Q8_0") -> int:
     """Replace every ``nn.Linear`` under ``module`` whose input width is a multiple of 32 by a
-    ``QuantLinear``; returns how many."""
+    ``QuantLinear`` with ``kind``'s blocks; returns how many."""
     n = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear) and child.in_features % 32 == 0:
-            setattr(module, name, QuantLinear(child))
+            setattr(module, name, QuantLinear(child, kind))
             n += 1
         else:
-            n += quantize_linears(child)
+            n += quantize_linears(child, kind)
     return n
+
+
+DENSE_KINDS = ("Q8_0", "Q4_0")  # the blocks a dense (drafter) matrix can be rounded to
+
+
+def dense_raw(w: Tensor, kind: str) -> RawQuant:
+    """A float matrix [rows, cols] (cols a multiple of 32) rounded to ``kind``'s blocks (``DENSE_KINDS``),
+    as llama.cpp's quantizer does."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    if kind not in DENSE_KINDS:
+        raise ValueError(f"a dense matrix rounds to {' or '.join(DENSE_KINDS)}, not {kind}")
+    return RawQuant(kind, w.shape[1], quantize(w.detach().float().cpu().numpy(), GGMLQuantizationType[kind]))
 
 
 def q8_raw(w: Tensor) -> RawQuant:
     """A float matrix [rows, cols] (cols a multiple of 32) rounded to Q8_0 blocks, as llama.cpp's quantizer does."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import quantize
-
-    return RawQuant("Q8_0", w.shape[1], quantize(w.detach().float().cpu().numpy(), GGMLQuantizationType.Q8_0))
+    return dense_raw(w, "Q8_0")
 
 
 def rotation_table(max_positions: int, inv_freq: Tensor, start: int = 0) -> Tensor:

@@ -95,12 +95,12 @@ class BlockModel(DraftModel):
             self.gate = nn.Linear(h, 1, bias=False)  # score of mode k = w . (final state of mode k's root row)
         self._kv: list | None = None  # per layer the K/V rows of wqkv as a PackedWeight or FastWeight (prepack)
 
-    def prepack(self, int8: bool = False) -> bool:
+    def prepack(self, int8: bool = False, fused: bool = True, kind: str = "Q8_0") -> bool:
         """``DraftModel.prepack``, plus the K/V rows of every layer's wqkv (the context's KV injection)."""
-        if not super().prepack(int8):
+        if not super().prepack(int8, fused, kind):
             return False
         q_rows = self.cfg.num_heads * self.cfg.head_dim
-        make = FastWeight.from_dense if int8 else PackedWeight
+        make = (lambda w: FastWeight.from_dense(w, kind)) if int8 else PackedWeight
         self._kv = [make(layer.wqkv.weight[q_rows:]) for layer in self.layers]
         return True
 

@@ -91,6 +91,22 @@ class HybridModel(DraftModel):
             new.append((k, v))
         return x, new
 
+    @property
+    def fast_serial(self) -> bool:
+        """Whether the serial layers run on the fast kernel, one C++ call each (``serial_fast``)."""
+        return self.cfg.serial > 0 and self.fast and all(layer.fast for layer in self.layers)
+
+    def serial_fast(self, state: Tensor, tokens: Tensor, positions: Tensor, mask: Tensor | None, kv: list[Tensor],
+                    start: int) -> Tensor:
+        """``serial`` on the fast kernel: the T rows attend to slots 0 .. start-1 of every layer's cache
+        ``kv`` ([2, 1, Hkv, S, D] each) and to each other as ``mask`` [1, T, start+T] allows (None: all), and
+        their K/V are written at slots start .. start+T-1.  Returns out [1, T, H]."""
+        x = self.fc(torch.cat([self.embed[tokens], state], -1)).float().contiguous()
+        rot = self.rot_rows(positions)
+        for layer, cache in zip(self.layers, kv):
+            x = layer.fast_forward(x, rot, mask, cache, start)
+        return x
+
     def head_states(self, x: Tensor, n: int | None = None) -> Tensor:
         """[R, (max(S,1)+1) H] -> [R, n, H] outputs of the first ``n`` MLP heads."""
         heads = self.heads if n is None else self.heads[:n]

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdraft.errors import SpecdraftError
-from specdraft.model.fast import FastWeight, quantize_linears
+from specdraft.model.fast import FastWeight, QuantLinear, quantize_linears, rotation_table
 from specdraft.model.llama import RMSNorm, apply_rope, rope_inv_freq, rope_rotation
 from specdraft.model.packed import prepack_model
 from specdraft.model.quant import kernel_available
@@ -103,6 +103,36 @@ class DraftLayer(nn.Module):
         self.mlp_norm = RMSNorm(h, cfg.rms_eps)
         self.w_gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
         self.w_down = nn.Linear(cfg.intermediate_size, h, bias=False)
+        self.eps = cfg.rms_eps
+        self._fast: tuple | None = None  # fast_block's weight arguments once on the fast kernel (attach_fast)
+
+    def attach_fast(self) -> bool:
+        """Run the whole layer as one call of the target's fast kernel (``fast_forward``), once its projections
+        are ``QuantLinear`` (``DraftModel.prepack(int8=True)``).  A layer whose attention reads another width
+        than its output (EAGLE-3's) keeps its module path.  Returns whether it did."""
+        lins = (self.wqkv, self.wo, self.w_gate_up, self.w_down)
+        if not all(isinstance(m, QuantLinear) for m in lins) or self.wqkv.in_features != self.wo.out_features \
+                or self.d % 16 or any(m.bias is not None for m in lins):
+            return False
+        qkv, o, gu, dn = (m.mm for m in lins)
+        self._fast = (*qkv.args(), _f32(self.attn_norm.weight), None, *o.args(), *gu.args(), _f32(self.mlp_norm.weight),
+                      *dn.args())
+        self._qk = None if self.q_norm is None else torch.cat([_f32(self.q_norm.weight), _f32(self.k_norm.weight)])
+        return True
+
+    @property
+    def fast(self) -> bool:
+        return self._fast is not None
+
+    def fast_forward(self, x: Tensor, rot: Tensor, mask: Tensor | None, kv: Tensor, start: int,
+                     out_rows: int = -1) -> Tensor:
+        """``forward`` as one call of the fast kernel (8-bit activations; its norms, RoPE and attention in
+        C++): x [B, T, H] fp32 at slots start .. start+T-1 of the layer's cache kv [2, B, Hkv, S, D], where
+        their keys and values are written; rot [B, T, D/2, 2] (``DraftModel.rot_rows``); mask bool
+        [B, T, start+T] (True = may attend) or None (every slot).  Returns the first ``out_rows`` rows of
+        each sequence, [B, out_rows, H] (-1: all T): the other rows only give keys and values."""
+        return torch.ops.specdraft_quant.fast_block(x, *self._fast, rot, mask, kv, start, self.eps, self.hq, self.hkv,
+                                                    self.d, self._qk, out_rows)
 
     def attend(self, x: Tensor, rot: Tensor, mask: Tensor | None, past_k: Tensor | None = None,
                past_v: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -139,6 +169,10 @@ class DraftLayer(nn.Module):
         return self.mlp(x + a), k, v
 
 
+def _f32(w: Tensor) -> Tensor:
+    return w.detach().float().contiguous()
+
+
 class MLPHead(nn.Module):
     """SiLU(Linear(d_in -> H)), then ``blocks`` residual blocks x + SiLU(Linear(x)), zero-initialised
     (identity at the start of training)."""
@@ -173,6 +207,8 @@ class DraftModel(nn.Module):
         self.register_buffer("head_w", lm_head.detach()[self.vocab_ids].contiguous(), persistent=False)  # [V', H]
         self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta)  # fp32, not a buffer: .to(dtype) keeps it fp32
         self._head = None  # head_w as a PackedWeight (bf16) or FastWeight (int8) once prepack() ran
+        self._rot_table: Tensor | None = None  # (cos, sin) per position for the fast layers (rot_rows)
+        self._fused = False  # decoder layers and top-k in C++ (prepack(int8=True))
 
     def n_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -183,16 +219,38 @@ class DraftModel(nn.Module):
             self.inv_freq = self.inv_freq.to(positions.device)
         return rope_rotation(positions, self.inv_freq)
 
-    def prepack(self, int8: bool = False) -> bool:
+    def rot_rows(self, positions: Tensor) -> Tensor:
+        """positions [B, T] -> (cos, sin) [B, T, D/2, 2] fp32 looked up in a table that grows as needed:
+        the rotation ``DraftLayer.fast_forward`` takes."""
+        need = int(positions.max()) + 1
+        if self._rot_table is None or self._rot_table.shape[0] < need:
+            self._rot_table = rotation_table(max(need, 2 * (0 if self._rot_table is None else self._rot_table.shape[0]),
+                                                 1024), self.inv_freq)
+        return self._rot_table[positions]
+
+    @property
+    def fast(self) -> bool:
+        """Whether the network drafts on the fast kernel (``prepack(int8=True)``): its decoder layers one C++
+        call each (where their shape allows: ``DraftLayer.fast``), the head's top-k taken in C++."""
+        return self._fused
+
+    def prepack(self, int8: bool = False, fused: bool = True, kind: str = "Q8_0") -> bool:
         """Get ready for inference on a CPU: with ``int8``, every linear layer and the head on the fast
-        kernel (weights rounded to Q8_0, 8-bit activations: ``model.fast``); otherwise, on a bfloat16
-        CPU, let oneDNN reorder every weight once (``model.packed``) instead of on every call.
-        Returns whether it did either."""
+        kernel (weights rounded to Q8_0, 8-bit activations: ``model.fast``) and, with ``fused``, each decoder
+        layer one call of it and the top-k in C++ (without: the same 8-bit projections under torch's modules,
+        the reference the fused path is tested against); ``kind``: the weights' blocks there (Q8_0, or Q4_0:
+        half the bytes a drafting step reads); otherwise, on a bfloat16 CPU, let oneDNN reorder every weight
+        once (``model.packed``) instead of on every call.  Returns whether it did either."""
         if int8:
             if not kernel_available():
                 return False
-            quantize_linears(self)
-            self._head = FastWeight.from_dense(self.head_w)
+            quantize_linears(self, kind)
+            if fused:
+                for layer in self.modules():
+                    if isinstance(layer, DraftLayer):
+                        layer.attach_fast()
+            self._head = FastWeight.from_dense(self.head_w, kind)
+            self._fused = fused
             return True
         self._head = prepack_model(self, self.head_w)
         return self._head is not None
@@ -207,36 +265,48 @@ class DraftModel(nn.Module):
         y = F.linear(h2, self.head_w) if self._head is None else self._head(h2).to(h2.dtype)
         return y.view(*h.shape[:-1], -1)
 
+    def top_logp(self, h: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """The k most likely draft tokens of each row of h [..., H], descending: (target ids LongTensor
+        [..., k], log-probabilities fp32 [..., k]); on the fast kernel without the V'-wide log-softmax."""
+        logits = self.logits(h).float()
+        k = min(k, logits.shape[-1])
+        if self.fast:
+            lp, idx = torch.ops.specdraft_quant.fast_logp_topk(logits.reshape(-1, logits.shape[-1]), k)
+            lp, idx = lp.view(*h.shape[:-1], k), idx.view(*h.shape[:-1], k)
+        else:
+            lp, idx = torch.log_softmax(logits, -1).topk(k, -1)
+        return self.vocab_ids[idx], lp
+
 
 class DraftCache:
-    """A drafter's own K/V of committed positions, per layer [1, Hkv, capacity, D]; grows by
-    doubling, keeping the first ``n`` slots."""
+    """A drafter's own K/V of committed positions, per layer one tensor [2, 1, Hkv, capacity, D] (keys,
+    values: the layout the fast kernel writes); grows by doubling, keeping the first ``n`` slots.  Slots
+    past the committed ones are scratch for the rows being drafted."""
 
     def __init__(self, layers: int, num_kv_heads: int, head_dim: int) -> None:
         self.shape = (layers, num_kv_heads, head_dim)
-        self.kv: list[tuple[Tensor, Tensor]] = []  # per layer (k, v)
+        self.kv: list[Tensor] = []  # per layer [2, 1, Hkv, capacity, D]
 
     def reserve(self, slots: int, n: int, like: Tensor) -> None:
         """Room for ``slots`` positions, the first ``n`` kept (dtype and device of ``like``)."""
-        if self.kv and self.kv[0][0].shape[2] >= slots:
+        if self.kv and self.kv[0].shape[3] >= slots:
             return
         layers, hkv, d = self.shape
-        cap = max(slots, 2 * (self.kv[0][0].shape[2] if self.kv else 256))
+        cap = max(slots, 2 * (self.kv[0].shape[3] if self.kv else 256))
         grown = []
         for i in range(layers):
-            k, v = (torch.zeros((1, hkv, cap, d), dtype=like.dtype, device=like.device) for _ in range(2))
+            t = torch.zeros((2, 1, hkv, cap, d), dtype=like.dtype, device=like.device)
             if self.kv:
-                k[:, :, :n] = self.kv[i][0][:, :, :n]
-                v[:, :, :n] = self.kv[i][1][:, :, :n]
-            grown.append((k, v))
+                t[:, :, :, :n] = self.kv[i][:, :, :, :n]
+            grown.append(t)
         self.kv = grown
 
     def write(self, new: list[tuple[Tensor, Tensor]], n: int) -> None:
         """Store every layer's new (k, v) [1, Hkv, T, D] at slots n .. n+T-1."""
-        for (ck, cv), (k, v) in zip(self.kv, new):
-            ck[:, :, n : n + k.shape[2]] = k
-            cv[:, :, n : n + v.shape[2]] = v
+        for t, (k, v) in zip(self.kv, new):
+            t[0, :, :, n : n + k.shape[2]] = k
+            t[1, :, :, n : n + v.shape[2]] = v
 
     def past(self, n: int) -> list[tuple[Tensor, Tensor]]:
-        """Every layer's K/V of the first ``n`` slots."""
-        return [(k[:, :, :n], v[:, :, :n]) for k, v in self.kv]
+        """Every layer's K/V of the first ``n`` slots, each [1, Hkv, n, D]."""
+        return [(t[0, :, :, :n], t[1, :, :, :n]) for t in self.kv]

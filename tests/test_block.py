@@ -215,16 +215,22 @@ def test_prepacked_bf16_drafter_drafts_the_same(tiny_llama):
 
 @pytest.mark.parametrize("modes,gate,shape", [(1, False, {}), (3, False, {}), (3, True, {}), (1, False, DFLASH)])
 def test_random_drafters_are_lossless_with_every_tree(tiny_chat_target, modes, gate, shape):
+    import copy
+
     t = tiny_chat_target
     model = _random_model(t, modes, block=6, vocab=512, gate=gate, **shape)
+    fused = copy.deepcopy(model)
+    assert fused.prepack(int8=True) and fused.fast  # the fast kernel's drafting path too
     for p in PROMPTS[:2]:
         ids = t.encode_prompt(p)
         ref = generate(t, ids, NoDrafter(), GenerateConfig(max_new_tokens=20)).token_ids
         for tree in TREES:
             for budget in (1, 4, 20):
-                d = BlockDrafter(model, BlockOptions(tree=tree, topk=4))
-                d.default_budget = budget
-                assert generate(t, ids, d, GenerateConfig(max_new_tokens=20)).token_ids == ref, (modes, tree, budget)
+                for m in (model, fused):
+                    d = BlockDrafter(m, BlockOptions(tree=tree, topk=4))
+                    d.default_budget = budget
+                    got = generate(t, ids, d, GenerateConfig(max_new_tokens=20)).token_ids
+                    assert got == ref, (modes, tree, budget, m.fast)
 
 
 def _train(target, root, out, modes=1, log=lambda *a: None, **kw):

@@ -361,6 +361,22 @@ def test_random_drafters_are_lossless_on_real_prompts(tiny_chat_target):
                 assert generate(t, ids, d, GenerateConfig(max_new_tokens=24)).token_ids == ref, (kind, budget)
 
 
+def test_fused_drafting_with_8_and_4_bit_weights_is_lossless(tiny_chat_target):
+    """On the fast kernel (fused steps, C++ top-k) with Q8_0 and with Q4_0 weights: plain greedy, token for token."""
+    t = tiny_chat_target
+    ids = t.encode_prompt(PROMPTS[0])
+    ref = generate(t, ids, NoDrafter(), GenerateConfig(max_new_tokens=24)).token_ids
+    for kind, (s, m) in CONFIGS.items():
+        for blocks in ("Q8_0", "Q4_0"):
+            model = _random_model(t, s, m, vocab=512)
+            assert model.prepack(int8=True, kind=blocks) and model.fast
+            d = HybridDrafter(model, HybridOptions(topk=3, beams=2))
+            d.default_budget = 5
+            got = generate(t, ids, d, GenerateConfig(max_new_tokens=24))
+            assert got.token_ids == ref, (kind, blocks)
+            assert got.stats.tree_nodes > 0
+
+
 def _train(target, root, out, kind="gumiho", epochs=2, **kw):
     s, m = CONFIGS[kind]
     cfg = H.HybridTrainConfig(serial=s, parallel=m, feature_layers=(1, FINAL), draft_vocab=256, epochs=epochs,

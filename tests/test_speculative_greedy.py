@@ -73,6 +73,25 @@ def test_plain_greedy_stats(tiny_llama):
     assert r.stats.accept_hist == {0: 9} and r.stats.tree_nodes == 0
 
 
+def test_drafting_time_counts_the_drafters_commit_too(tiny_llama):
+    """stats.draft_s is the drafter's whole work per pass: propose and commit (which reads the accepted
+    features); a drafter whose commit takes 20 ms shows it."""
+    import time
+
+    from specdraft.drafters.base import NoDrafter
+
+    class SlowCommit(NoDrafter):
+        def commit(self, accepted, out):
+            time.sleep(0.02)
+            super().commit(accepted, out)
+
+    _, target, _ = tiny_llama
+    r = generate(target, [5, 6, 7], SlowCommit(), GenerateConfig(max_new_tokens=6))
+    commits = r.stats.passes - 1  # no commit after the last pass
+    assert commits >= 4 and r.stats.draft_s >= 0.02 * commits
+    assert r.stats.verify_s < 0.02 * commits  # and not in the target's share
+
+
 PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome, then explain it.",
     "List three facts about the Moon, then repeat the list in reverse order.",

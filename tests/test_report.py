@@ -193,3 +193,20 @@ def test_bench_rows_hold_the_lossless_promise_and_the_agreements_apart():
     # sampling: only plain sampling itself has an exact_match (speculation draws other random numbers)
     rows = _rows(0, {"sample": got["greedy"], "d": got["d"]}, ["sample", "d"], "sample", False, [1], None, 0)
     assert [r["exact_match"] for r in rows] == [True, None]
+
+
+def test_the_table_shows_drafting_time_and_its_share_of_a_plain_step():
+    """speed-up = tokens per pass / (pass(n) / pass(1) + drafting / pass(1)): the table has the last term."""
+    from specdraft.bench.report import format_table
+
+    res = fake_results(with_hist=False)
+    for d in res["datasets"].values():  # greedy: 150 tokens in 6 s = 40 ms a step
+        d["methods"]["ngram"]["draft_ms_per_pass"] = 4.0
+        d["methods"]["greedy"]["draft_ms_per_pass"] = 0.01
+    table = format_table(res)
+    assert "drafting ms/pass (share)" in table.splitlines()[0]
+    row = next(line for line in table.splitlines() if "| gsm | ngram |" in line)
+    assert "| 4.00 (10%) |" in row
+    greedy = next(line for line in table.splitlines() if "| gsm | greedy |" in line)
+    assert "| 1.00 | - |" in greedy  # the baseline drafts nothing
+    assert "| - | - |" in next(line for line in table.splitlines() if "| gsm | hf_generate |" in line)

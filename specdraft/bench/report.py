@@ -428,16 +428,22 @@ def bench_command_line(results: dict) -> str:
 
 def format_table(res: dict) -> str:
     """The results as a Markdown table: tok/s against our plain decoding (the baseline) and llama.cpp,
-    tokens per pass, exact_match (equal to our plain decoding; llama.cpp rows: agreement with it) and
-    hf_agreement (equal to HF fp32 greedy; the smallest top-2 gap at a divergence)."""
+    tokens per pass, the drafter's time per pass (propose and commit) and its share of a plain decoding
+    step (speed-up = tokens per pass / (pass(n) / pass(1) + that share)), exact_match (equal to our plain
+    decoding; llama.cpp rows: agreement with it) and hf_agreement (equal to HF fp32 greedy; the smallest
+    top-2 gap at a divergence)."""
     base = res["config"].get("baseline", "greedy")
     methods = next(iter(res["datasets"].values()))["methods"] if res["datasets"] else {}
     peer = "llamacpp" if "llamacpp" in methods else "hf_generate"
-    lines = [f"| dataset | method | tok/s | vs {base} | vs {peer} | tokens/pass | exact_match | hf_agreement |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [f"| dataset | method | tok/s | vs {base} | vs {peer} | tokens/pass | drafting ms/pass (share) | "
+             f"exact_match | hf_agreement |", "|---|---|---|---|---|---|---|---|---|"]
     for ds, d in res["datasets"].items():
+        plain = d["methods"].get(base, {})
+        step_ms = 1000 * plain["wall_s"] / plain["new_tokens"] if plain.get("new_tokens") else None
         for m, v in d["methods"].items():
             tpp = "-" if v["tokens_per_pass"] is None else f"{v['tokens_per_pass']:.2f}"
+            dms = v.get("draft_ms_per_pass")
+            dms = "-" if dms is None or m == base else f"{dms:.2f}" + ("" if not step_ms else f" ({dms / step_ms:.0%})")
             em = v.get("exact_match")
             em = (f"{em:.2f}" if em is not None else
                   f"agrees {v['agrees_with_greedy']:.2f}" if v.get("agrees_with_greedy") is not None else "-")
@@ -446,7 +452,8 @@ def format_table(res: dict) -> str:
             ha = "-" if ha is None else f"{ha:.2f}" + ("" if gap is None else f" (min gap {gap:.3f})")
             vs_peer = v.get(f"speedup_vs_{peer}")
             vs_peer = "-" if vs_peer is None else f"{vs_peer:.2f}x"
-            lines.append(f"| {ds} | {m} | {v['tok_s']:.1f} | {v[f'speedup_vs_{base}']:.2f}x | {vs_peer} | {tpp} | {em} | {ha} |")
+            lines.append(f"| {ds} | {m} | {v['tok_s']:.1f} | {v[f'speedup_vs_{base}']:.2f}x | {vs_peer} | {tpp} | {dms} | "
+                         f"{em} | {ha} |")
     return "\n".join(lines)
 
 

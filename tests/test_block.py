@@ -393,6 +393,15 @@ def test_budget_profile_is_stored_and_picks_the_budget(tiny_chat_target, tiny_tr
     steep = {"n": list(range(1, 10)), "ratio": [1.0, 1.0] + [50.0] * 7, "ms": [1e30] * 9}  # only budget 1 is cheap
     monkeypatch.setattr(cost, "load_cost_curve", lambda target: steep)
     assert make_drafter(str(path), tiny_chat_target).default_budget == 1
+    import json
+
+    # the same data rebuilt another day (the fast mode is bit-exact): only when and how long differ
+    rebuilt = tmp_path / "rebuilt"
+    shutil.copytree(tiny_train_data / "data", rebuilt)
+    m = json.loads((rebuilt / "manifest.json").read_text())
+    m.update(wall_s=m.get("wall_s", 0) + 123.0, created="2027-01-01 00:00:00")
+    (rebuilt / "manifest.json").write_text(json.dumps(m))
+    assert add_budget_profile(tiny_chat_target, path, rebuilt, budgets=(1, 2))["tokens_per_pass"]
     with pytest.raises(SpecdraftError, match="not the data this drafter was trained on"):
         other = tmp_path / "other"
         shutil.copytree(tiny_train_data / "data", other)

@@ -38,7 +38,7 @@ from tqdm import tqdm
 from specdraft.errors import SpecdraftError
 from specdraft.nn.block import BlockConfig, BlockModel
 from specdraft.train.corpus import AnchorBatch, Corpus, load_corpus, make_batch, plan_epoch, split_and_vocabulary, token_at
-from specdraft.train.data import check_data_target, manifest_sha256
+from specdraft.train.data import check_data_target, data_sha256
 from specdraft.train.loop import adamw, optimizer_step, resume, save_fp16, save_state, set_lr, state_path
 
 
@@ -262,7 +262,7 @@ def train_block(target, data_dir: str | Path, feat_dir: str | Path, out: str | P
     w = depth_weights(mcfg.depth, cfg.gamma, dev)
 
     spath = state_path(out)
-    fingerprint = json.loads(json.dumps({"config": asdict(cfg), "data": manifest_sha256(data_manifest),
+    fingerprint = json.loads(json.dumps({"config": asdict(cfg), "data": data_sha256(data_manifest),
                                          "target": target.weight_hash}))
     fresh = {"step": 0, "history": [], "shares": [1.0 / cfg.modes] * cfg.modes, "wins": [0] * cfg.modes,
              "loss_sum": 0.0, "loss_n": 0}
@@ -344,7 +344,7 @@ def train_block(target, data_dir: str | Path, feat_dir: str | Path, out: str | P
         "drafter": name,
         "train": asdict(cfg),
         "draft_vocab_coverage": covered,
-        "data": {"dir": str(data_dir), "manifest_sha256": manifest_sha256(data_manifest), "shards": data_manifest["shards_used"],
+        "data": {"dir": str(data_dir), "manifest_sha256": data_sha256(data_manifest), "shards": data_manifest["shards_used"],
                  "sequences": n_seq, "response_tokens": data_manifest["response_tokens"]},
         "history": meta["history"],
         "steps": total,

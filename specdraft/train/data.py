@@ -352,3 +352,19 @@ def check_data_target(manifest: dict, target, data_dir) -> None:
 
 def manifest_sha256(manifest: dict) -> str:
     return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+
+
+BUILD_RECORD = ("wall_s", "created")  # when a data folder was built and how long it took: not what it holds
+
+
+def data_sha256(manifest: dict) -> str:
+    """A data folder's identity, as checkpoints record it: its manifest's hash without ``BUILD_RECORD``, so a
+    rebuild on another machine or day (the fast mode's responses are bit-exact) is the same data, and a
+    drafter trained on one can be profiled or fine-tuned on the other."""
+    return manifest_sha256({k: v for k, v in manifest.items() if k not in BUILD_RECORD})
+
+
+def data_hashes(manifest: dict) -> tuple[str, str]:
+    """Every hash a checkpoint may have recorded for this data (``data_sha256``; the whole manifest's,
+    as checkpoints made before it did)."""
+    return data_sha256(manifest), manifest_sha256(manifest)

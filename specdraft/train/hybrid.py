@@ -40,7 +40,7 @@ from specdraft.nn.checkpoint import MODELS, load_draft_model
 from specdraft.nn.eagle3 import Eagle3Config
 from specdraft.nn.hybrid import HybridConfig, HybridModel
 from specdraft.train.corpus import AnchorBatch, Corpus, load_corpora, make_batch, plan_epoch, split_and_vocabulary, take, token_at
-from specdraft.train.data import check_data_target, manifest_sha256
+from specdraft.train.data import check_data_target, data_hashes, data_sha256, manifest_sha256
 from specdraft.train.loop import (adamw, all_sum, barrier, current_ranks, optimizer_step, resume, save_fp16, save_state,
                                   set_lr, shard_rows, state_path)
 
@@ -254,7 +254,7 @@ class TrainStep(nn.Module):
 
 
 def _data_record(data_dir, manifest: dict, sequences: int) -> dict:
-    return {"dir": str(data_dir), "manifest_sha256": manifest_sha256(manifest), "shards": manifest["shards_used"],
+    return {"dir": str(data_dir), "manifest_sha256": data_sha256(manifest), "shards": manifest["shards_used"],
             "sequences": sequences, "response_tokens": sum(s["response_tokens"] for s in manifest["shards"][: manifest["shards_used"]])}
 
 
@@ -277,7 +277,7 @@ def _check_init_split(init: str, manifest: dict, cfg: HybridTrainConfig, data_di
     """Refuse a fine-tune whose held-out sequences the starting checkpoint trained on: a folder it was
     trained on must be split the same way here (same seed, holdout share and sequences)."""
     train = manifest.get("train") or {}
-    ours = {manifest_sha256(m): (d, n) for d, m, n in zip(data_dirs, data_manifests, groups)}
+    ours = {h: (d, n) for d, m, n in zip(data_dirs, data_manifests, groups) for h in data_hashes(m)}
     for rec in [manifest.get("data") or {}] + list(manifest.get("data_more") or []):
         if rec.get("manifest_sha256") not in ours:
             continue
@@ -372,7 +372,7 @@ def train_hybrid(target, data_dir, feat_dir, out: str | Path, cfg: HybridTrainCo
     for name in ("distill", "init", "arch"):  # absent at their defaults, so runs started before the options still resume
         if not fp_cfg[name] or fp_cfg[name] == "hybrid":
             del fp_cfg[name]
-    fp_data = manifest_sha256(data_manifest) if len(data_manifests) == 1 else [manifest_sha256(m) for m in data_manifests]
+    fp_data = data_sha256(data_manifest) if len(data_manifests) == 1 else [data_sha256(m) for m in data_manifests]
     fp = {"config": fp_cfg, "data": fp_data, "target": target.weight_hash}
     if init_manifest is not None:
         fp["init"] = _init_fingerprint(init_manifest)

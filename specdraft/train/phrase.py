@@ -33,7 +33,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.nn.checkpoint import load_checkpoint, save_checkpoint
 from specdraft.nn.phrase import FEATURE_LAYER, PhraseHead, PhraseHeadConfig, PhraseVocab
 from specdraft.replay import simulate
-from specdraft.train.data import check_data_target, load_sequences, manifest_sha256, read_features, read_manifest
+from specdraft.train.data import check_data_target, data_sha256, load_sequences, read_features, read_manifest
 from specdraft.train.loop import adamw, optimizer_step, resume, save_fp16, save_state, set_lr, state_path
 from specdraft.train.profile import PROFILE_BUDGETS
 
@@ -282,7 +282,7 @@ def train_phrase(target, data_dir: str | Path, feat_dir: str | Path, out: str | 
     total = steps_per_epoch * cfg.epochs
 
     spath = state_path(out)
-    fingerprint = json.loads(json.dumps({"config": asdict(cfg), "data": manifest_sha256(data_manifest),
+    fingerprint = json.loads(json.dumps({"config": asdict(cfg), "data": data_sha256(data_manifest),
                                          "target": target.weight_hash}))
     start_epoch, history = 0, []
     meta = resume(spath, fingerprint, head, opt, log)
@@ -341,7 +341,7 @@ def train_phrase(target, data_dir: str | Path, feat_dir: str | Path, out: str | 
         "feature_layer": FEATURE_LAYER,
         "vocab": pvocab.to_json(),
         "coverage": {"labelled_positions": len(ex.label), "response_positions": ex.positions, "share": cover},
-        "data": {"dir": str(data_dir), "manifest_sha256": manifest_sha256(data_manifest),
+        "data": {"dir": str(data_dir), "manifest_sha256": data_sha256(data_manifest),
                  "sequences": len(seqs), "response_tokens": data_manifest["response_tokens"]},
         "history": history,
         "params": head.n_params(),

@@ -22,7 +22,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.nn.checkpoint import load_checkpoint, save_checkpoint
 from specdraft.replay import simulate_dataset
 from specdraft.train.corpus import held_out_split
-from specdraft.train.data import load_sequences, manifest_sha256, read_manifest
+from specdraft.train.data import data_hashes, load_sequences, read_manifest
 
 PROFILE_BUDGETS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 63)  # 63: the largest tree on a 1..64 cost curve
 
@@ -35,7 +35,7 @@ def held_out_sequences(data_dir: str | Path, manifest: dict, max_seqs: int) -> t
                              "data.sequences); a budget profile needs its held-out split")
     dm = read_manifest(Path(data_dir))
     if data.get("manifest_sha256") and data["manifest_sha256"] not in (
-            manifest_sha256(dm), manifest_sha256({**dm, "shards_used": data.get("shards")})):  # as the trainer hashed it
+            *data_hashes(dm), *data_hashes({**dm, "shards_used": data.get("shards")})):  # as the trainer hashed it
         raise SpecdraftError(f"{data_dir} is not the data this drafter was trained on (its manifest differs; "
                              f"it was trained on {data.get('dir', '?')}, the first --data folder of its training run)")
     seqs = load_sequences(data_dir)[: data["sequences"]]

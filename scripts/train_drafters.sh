@@ -12,7 +12,9 @@
 # missing shard, the feature cache skips written shards, the trainers resume from OUT.resume.safetensors,
 # and a step whose output is complete is skipped; re-run the same command after an interruption.  The
 # fast mode is bit-exact, so a build on another machine gives the same responses.  Hours on 2 CPU
-# cores (build ~35 min, features ~15 min, the eight trainings ~5 h); run nothing else heavy beside it.
+# cores (build ~35-45 min, features ~20-40 min, the eight trainings ~5 h); run nothing else heavy beside it:
+# the profile step times the drafting, and on shared cores it measures the sharing (re-run `specdraft train
+# profile CKPT --data WORK/data --max-seqs 16` alone then; phrase's read 1.9-3.2 ms beside a test run, 0.5 alone).
 #
 # Then copy WORK_DIR/NAME.safetensors to specdraft/weights/NAME_smollm2_135m.safetensors, and check the
 # exportable two with scripts/llamacpp_drafter_check.py (docs/export.md).

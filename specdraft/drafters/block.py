@@ -157,14 +157,8 @@ class BlockDrafter(TrainedDrafter):
     def marginals(self, k: int, depth: int | None = None) -> tuple[Tensor, Tensor]:
         """Per mode and depth the top-k draft tokens (target ids) and their log-probabilities, sorted
         descending: (tokens LongTensor [K, depth, k], logp FloatTensor [K, depth, k]; depth default D)."""
-        if self.model.fast:  # the top-k in C++, from the logits: no V'-wide log-softmax
-            depth = self._score(depth)
-            k = min(k, self._logits.shape[-1])
-            lp, idx = torch.ops.specdraft_quant.fast_logp_topk(self._logits[:, :depth].reshape(-1, self._logits.shape[-1]), k)
-            shape = (self.cfg.modes, depth, k)
-            return self.model.vocab_ids[idx.view(shape)], lp.view(shape)
-        top = self.block_logp(depth).topk(min(k, self.model.head_w.shape[0]), -1)
-        return self.model.vocab_ids[top.indices], top.values
+        depth = self._score(depth)
+        return self.model.top_of_logits(self._logits[:, :depth], k)  # on the fast kernel: no V'-wide log-softmax
 
     def propose(self, budget: int) -> Tree:
         if budget <= 0:

@@ -137,7 +137,7 @@ class FastWeight:
     def from_dense(cls, w: Tensor, kind: str = "Q8_0") -> "FastWeight":
         """A float matrix [rows, cols] (cols a multiple of 32) rounded to ``kind``'s blocks (Q8_0 or Q4_0, as
         llama.cpp's quantizer does) and repacked: for drafter networks, which have no GGUF blocks."""
-        return cls.from_raw(q8_raw(w) if kind == "Q8_0" else dense_raw(w, kind))
+        return cls.from_raw(dense_raw(w, kind))
 
     def args(self) -> tuple[list[Tensor], list[int]]:
         """(tensors, meta): [qs, d, m, sc] and [kind, rows] per part, as the C++ ops take a weight."""

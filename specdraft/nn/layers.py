@@ -268,11 +268,15 @@ class DraftModel(nn.Module):
     def top_logp(self, h: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """The k most likely draft tokens of each row of h [..., H], descending: (target ids LongTensor
         [..., k], log-probabilities fp32 [..., k]); on the fast kernel without the V'-wide log-softmax."""
-        logits = self.logits(h).float()
+        return self.top_of_logits(self.logits(h), k)
+
+    def top_of_logits(self, logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """``top_logp`` from scores already computed, logits [..., V'] (k capped at V')."""
+        logits = logits.float()
         k = min(k, logits.shape[-1])
         if self.fast:
             lp, idx = torch.ops.specdraft_quant.fast_logp_topk(logits.reshape(-1, logits.shape[-1]), k)
-            lp, idx = lp.view(*h.shape[:-1], k), idx.view(*h.shape[:-1], k)
+            lp, idx = lp.view(*logits.shape[:-1], k), idx.view(*logits.shape[:-1], k)
         else:
             lp, idx = torch.log_softmax(logits, -1).topk(k, -1)
         return self.vocab_ids[idx], lp

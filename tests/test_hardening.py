@@ -169,7 +169,9 @@ def test_the_server_refuses_an_empty_user_message(content, tiny_chat_target):
 def test_a_huge_prompt_is_refused_before_tokenizing_and_health_stays_quick(tiny_chat_target):
     """A chat body just under the size cap, far over the context: refused from its byte count alone (no seconds of
     tokenizing), a body over the cap from its Content-Length; /health, polled meanwhile on its own
-    connection, answers each time within 50 ms."""
+    connection, answers each time within 0.5 s: tokenizing such a body takes seconds (3-6 s on 2 cores), so a
+    server that tokenized it, or blocked its event loop on it, fails by far; a tighter bound only measured the
+    machine's noise (a 4 MB body's JSON parse alone, on a busy shared core, took 52 ms once)."""
     import http.client
     import json
     import threading
@@ -204,7 +206,7 @@ def test_a_huge_prompt_is_refused_before_tokenizing_and_health_stays_quick(tiny_
     status, body = outcomes["under"]
     assert status == 400 and "the prompt is at least" in body["error"]["message"], body
     assert outcomes["over"][0] == 413
-    assert waits and max(waits) < 0.050, f"/health took {max(waits) * 1000:.0f} ms"
+    assert waits and max(waits) < 0.5, f"/health took {max(waits) * 1000:.0f} ms"
 
 
 _CONFIG_BASE = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,

@@ -31,6 +31,9 @@ from specdraft.nn.checkpoint import checkpoint_kind, load_draft_model
 
 WEIGHTS_DIR = Path(__file__).resolve().parents[1] / "weights"  # shipped weights for the default target
 DATA_HINT = "--data data/smollm2 --features data/smollm2_feat"  # the folders the shipped weights were trained on
+# the weights retrained on the fast mode's own responses (scripts/train_drafters.sh): its build and its features of
+# target layers 2, 15, 27, -1
+FAST_HINT = "--data data/smollm2 --features data/smollm2_feat_fast --precision fast"
 DATA_HINT_E3 = "--data data/smollm2 --features data/smollm2_feat_e3"  # eagle3's and dflash's (layers 2, 15, 27, -1)
 
 
@@ -89,7 +92,8 @@ REGISTRY: dict[str, DrafterSpec] = {s.name: s for s in (
                 kind="eagle3", weights="eagle3_smollm2_135m.safetensors", lookup=True, scale_with_curve=True,
                 train=f"specdraft train eagle3 --epochs 2 {DATA_HINT_E3} --out {{path}}"),
     _block("block", "DFlash block drafter: one pass drafts a block of 7 positions, DDTree product tree", "--modes 1"),
-    _block("mfd", "Multi-Future Drafting: K=4 mode embeddings draft 4 blocks in one pass, mixture tree", "--modes 4"),
+    _block("mfd", "Multi-Future Drafting: K=4 mode embeddings draft 4 blocks in one pass, mixture tree",
+           "--modes 4 --block-size 5 --layers 2,15,27 --steps 1800", FAST_HINT),
     _block("dflash", "DFlash exactly (q/k norm, the target's mask-token embedding, full vocabulary): a block of 7, "
            "DDTree product tree; exports to vLLM, SGLang and llama.cpp",
            "--dflash --draft-vocab 0 --layers 2,15,27 --steps 900", DATA_HINT_E3),

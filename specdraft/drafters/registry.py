@@ -57,10 +57,10 @@ class DrafterSpec:
     scale_with_curve: bool = False  # without a budget profile, its budget follows the cost curve (budget policy rule 2)
 
 
-def _hybrid(name: str, summary: str, args: str) -> DrafterSpec:
+def _hybrid(name: str, summary: str, args: str, data: str = DATA_HINT) -> DrafterSpec:
     return DrafterSpec(name, summary, HybridOptions, load_hybrid, HybridDrafter.default_budget, kind="hybrid",
                        weights=f"{name}_smollm2_135m.safetensors",
-                       train=f"specdraft train hybrid {args} {DATA_HINT} --out {{path}}", lookup=True,
+                       train=f"specdraft train hybrid {args} {data} --out {{path}}", lookup=True,
                        scale_with_curve=True)
 
 
@@ -82,7 +82,7 @@ REGISTRY: dict[str, DrafterSpec] = {s.name: s for s in (
                 train="specdraft train phrase --data data/smollm2 --out {path}"),
     _hybrid("gumiho", "Gumiho: serial Transformer steps for early tokens, parallel MLP heads for later ones",
             "--serial 2 --parallel 5 --serial-layers 2 --head-blocks 5 --head-grad 0 --distill 1.0 --feature-loss 1.0 "
-            "--layers 3,15,27,-1"),
+            "--layers 2,15,27,-1", FAST_HINT),
     _hybrid("medusa", "Medusa: parallel MLP heads on the target's features", "--serial 0 --parallel 7 --distill 1.0 "
             "--layers 3,15,27,-1"),
     _hybrid("eagle", "EAGLE-style: a serial decoder layer on fused target features, run step by step",
@@ -91,7 +91,8 @@ REGISTRY: dict[str, DrafterSpec] = {s.name: s for s in (
                 "LM head; exports to vLLM, SGLang and llama.cpp", HybridOptions, load_hybrid, HybridDrafter.default_budget,
                 kind="eagle3", weights="eagle3_smollm2_135m.safetensors", lookup=True, scale_with_curve=True,
                 train=f"specdraft train eagle3 --epochs 2 {DATA_HINT_E3} --out {{path}}"),
-    _block("block", "DFlash block drafter: one pass drafts a block of 7 positions, DDTree product tree", "--modes 1"),
+    _block("block", "DFlash block drafter: one pass drafts a block of 4 positions, DDTree product tree",
+           "--modes 1 --block-size 5 --layers 2,15,27 --steps 1800", FAST_HINT),
     _block("mfd", "Multi-Future Drafting: K=4 mode embeddings draft 4 blocks in one pass, mixture tree",
            "--modes 4 --block-size 5 --layers 2,15,27 --steps 1800", FAST_HINT),
     _block("dflash", "DFlash exactly (q/k norm, the target's mask-token embedding, full vocabulary): a block of 7, "

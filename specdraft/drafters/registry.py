@@ -34,7 +34,7 @@ DATA_HINT = "--data data/smollm2 --features data/smollm2_feat"  # the folders th
 # the weights retrained on the fast mode's own responses (scripts/train_drafters.sh): its build and its features of
 # target layers 2, 15, 27, -1
 FAST_HINT = "--data data/smollm2 --features data/smollm2_feat_fast --precision fast"
-DATA_HINT_E3 = "--data data/smollm2 --features data/smollm2_feat_e3"  # eagle3's and dflash's (layers 2, 15, 27, -1)
+DATA_HINT_E3 = "--data data/smollm2 --features data/smollm2_feat_e3"  # eagle3's (layers 2, 15, 27, -1)
 
 
 @dataclass
@@ -97,7 +97,7 @@ REGISTRY: dict[str, DrafterSpec] = {s.name: s for s in (
            "--modes 4 --block-size 5 --layers 2,15,27 --steps 1800", FAST_HINT),
     _block("dflash", "DFlash exactly (q/k norm, the target's mask-token embedding, full vocabulary): a block of 7, "
            "DDTree product tree; exports to vLLM, SGLang and llama.cpp",
-           "--dflash --draft-vocab 0 --layers 2,15,27 --steps 900", DATA_HINT_E3),
+           "--dflash --draft-vocab 0 --layers 2,15,27 --steps 1800", FAST_HINT),
 )}
 BY_KIND = {"phrase": REGISTRY["phrase"], "hybrid": REGISTRY["gumiho"], "eagle3": REGISTRY["eagle3"],
            "block": REGISTRY["block"]}  # for checkpoint paths

@@ -84,7 +84,7 @@ REGISTRY: dict[str, DrafterSpec] = {s.name: s for s in (
             "--serial 2 --parallel 5 --serial-layers 2 --head-blocks 5 --head-grad 0 --distill 1.0 --feature-loss 1.0 "
             "--layers 2,15,27,-1", FAST_HINT),
     _hybrid("medusa", "Medusa: parallel MLP heads on the target's features", "--serial 0 --parallel 7 --distill 1.0 "
-            "--layers 3,15,27,-1"),
+            "--layers 2,15,27,-1", FAST_HINT),
     _hybrid("eagle", "EAGLE-style: a serial decoder layer on fused target features, run step by step",
             "--serial 7 --parallel 0 --distill 1.0 --layers 3,15,27,-1"),
     DrafterSpec("eagle3", "EAGLE-3 exactly: fc over 3 target layers, one decoder layer over [embedding ; state], its own "

@@ -86,7 +86,7 @@ REGISTRY: dict[str, DrafterSpec] = {s.name: s for s in (
     _hybrid("medusa", "Medusa: parallel MLP heads on the target's features", "--serial 0 --parallel 7 --distill 1.0 "
             "--layers 2,15,27,-1", FAST_HINT),
     _hybrid("eagle", "EAGLE-style: a serial decoder layer on fused target features, run step by step",
-            "--serial 7 --parallel 0 --distill 1.0 --layers 3,15,27,-1"),
+            "--serial 7 --parallel 0 --distill 1.0 --layers 2,15,27,-1", FAST_HINT),
     DrafterSpec("eagle3", "EAGLE-3 exactly: fc over 3 target layers, one decoder layer over [embedding ; state], its own "
                 "LM head; exports to vLLM, SGLang and llama.cpp", HybridOptions, load_hybrid, HybridDrafter.default_budget,
                 kind="eagle3", weights="eagle3_smollm2_135m.safetensors", lookup=True, scale_with_curve=True,

@@ -30,11 +30,9 @@ from specdraft.errors import SpecdraftError
 from specdraft.nn.checkpoint import checkpoint_kind, load_draft_model
 
 WEIGHTS_DIR = Path(__file__).resolve().parents[1] / "weights"  # shipped weights for the default target
-DATA_HINT = "--data data/smollm2 --features data/smollm2_feat"  # the folders the shipped weights were trained on
-# the weights retrained on the fast mode's own responses (scripts/train_drafters.sh): its build and its features of
-# target layers 2, 15, 27, -1
-FAST_HINT = "--data data/smollm2 --features data/smollm2_feat_fast --precision fast"
-DATA_HINT_E3 = "--data data/smollm2 --features data/smollm2_feat_e3"  # eagle3's (layers 2, 15, 27, -1)
+# the folders every shipped drafter was trained on (scripts/train_drafters.sh): the fast mode's own responses and
+# their features of target layers 2, 15, 27 and the final state
+DATA_HINT = "--data data/smollm2 --features data/smollm2_feat --precision fast"
 
 
 @dataclass
@@ -57,19 +55,19 @@ class DrafterSpec:
     scale_with_curve: bool = False  # without a budget profile, its budget follows the cost curve (budget policy rule 2)
 
 
-def _hybrid(name: str, summary: str, args: str, data: str = DATA_HINT) -> DrafterSpec:
+def _hybrid(name: str, summary: str, args: str) -> DrafterSpec:
     return DrafterSpec(name, summary, HybridOptions, load_hybrid, HybridDrafter.default_budget, kind="hybrid",
                        weights=f"{name}_smollm2_135m.safetensors",
-                       train=f"specdraft train hybrid {args} {data} --out {{path}}", lookup=True,
+                       train=f"specdraft train hybrid {args} {DATA_HINT} --out {{path}}", lookup=True,
                        scale_with_curve=True)
 
 
-def _block(name: str, summary: str, args: str, data: str = DATA_HINT) -> DrafterSpec:
+def _block(name: str, summary: str, args: str) -> DrafterSpec:
     # without a measured cost curve: 4 nodes on a CPU (a pass grows with its tokens there; the best
     # budget measured on a 2-core CPU), the drafter's 12 on a GPU (where 13 tokens cost about one)
     return DrafterSpec(name, summary, BlockOptions, load_block, 4, kind="block", gpu_budget=BlockDrafter.default_budget,
                        weights=f"{name}_smollm2_135m.safetensors", lookup=True,
-                       train=f"specdraft train block {args} {data} --out {{path}}")
+                       train=f"specdraft train block {args} {DATA_HINT} --out {{path}}")
 
 
 REGISTRY: dict[str, DrafterSpec] = {s.name: s for s in (
@@ -79,25 +77,25 @@ REGISTRY: dict[str, DrafterSpec] = {s.name: s for s in (
                 lambda target, ckpt, opts, name: NgramDrafter(), NgramDrafter.default_budget, scale_with_curve=True),
     DrafterSpec("phrase", "MLP head over a vocabulary of 1-3 word phrases, expanded into one prefix tree with "
                 "prompt lookup", PhraseOptions, load_phrase, PhraseDrafter.default_budget, kind="phrase", weights="phrase_smollm2_135m.safetensors",
-                train="specdraft train phrase --data data/smollm2 --out {path}"),
+                train=f"specdraft train phrase {DATA_HINT} --out {{path}}"),
     _hybrid("gumiho", "Gumiho: serial Transformer steps for early tokens, parallel MLP heads for later ones",
             "--serial 2 --parallel 5 --serial-layers 2 --head-blocks 5 --head-grad 0 --distill 1.0 --feature-loss 1.0 "
-            "--layers 2,15,27,-1", FAST_HINT),
+            "--layers 2,15,27,-1"),
     _hybrid("medusa", "Medusa: parallel MLP heads on the target's features", "--serial 0 --parallel 7 --distill 1.0 "
-            "--layers 2,15,27,-1", FAST_HINT),
+            "--layers 2,15,27,-1"),
     _hybrid("eagle", "EAGLE-style: a serial decoder layer on fused target features, run step by step",
-            "--serial 7 --parallel 0 --distill 1.0 --layers 2,15,27,-1", FAST_HINT),
+            "--serial 7 --parallel 0 --distill 1.0 --layers 2,15,27,-1"),
     DrafterSpec("eagle3", "EAGLE-3 exactly: fc over 3 target layers, one decoder layer over [embedding ; state], its own "
                 "LM head; exports to vLLM, SGLang and llama.cpp", HybridOptions, load_hybrid, HybridDrafter.default_budget,
                 kind="eagle3", weights="eagle3_smollm2_135m.safetensors", lookup=True, scale_with_curve=True,
-                train=f"specdraft train eagle3 --epochs 2 {DATA_HINT_E3} --out {{path}}"),
+                train=f"specdraft train eagle3 {DATA_HINT} --out {{path}}"),
     _block("block", "DFlash block drafter: one pass drafts a block of 4 positions, DDTree product tree",
-           "--modes 1 --block-size 5 --layers 2,15,27 --steps 1800", FAST_HINT),
+           "--modes 1 --block-size 5 --layers 2,15,27 --steps 1800"),
     _block("mfd", "Multi-Future Drafting: K=4 mode embeddings draft 4 blocks in one pass, mixture tree",
-           "--modes 4 --block-size 5 --layers 2,15,27 --steps 1800", FAST_HINT),
+           "--modes 4 --block-size 5 --layers 2,15,27 --steps 1800"),
     _block("dflash", "DFlash exactly (q/k norm, the target's mask-token embedding, full vocabulary): a block of 7, "
            "DDTree product tree; exports to vLLM, SGLang and llama.cpp",
-           "--dflash --draft-vocab 0 --layers 2,15,27 --steps 1800", FAST_HINT),
+           "--dflash --draft-vocab 0 --layers 2,15,27 --steps 1800"),
 )}
 BY_KIND = {"phrase": REGISTRY["phrase"], "hybrid": REGISTRY["gumiho"], "eagle3": REGISTRY["eagle3"],
            "block": REGISTRY["block"]}  # for checkpoint paths

@@ -21,7 +21,8 @@ tree, and its accepted rows' K/V are copied from the scratch slots into its rang
     Batcher.step():
         cancelled sequences leave
         b = drafted nodes per tree for L decoding sequences (``drafters.budget.batch_budget``)
-        rows = prompt chunks (``prefill_rows`` in all) + each decoding sequence's drafter.propose(b)
+        rows = prompt chunks (``prefill_rows`` in all) + each decoding sequence's drafter.propose(b),
+               the scored trees cut together to the nodes that pay (``LiveCosts.cut_many``)
         one target pass over the rows (logits only for tree rows and prompts' last rows)
         per sequence: prompt done -> first token, drafter.reset;  tree -> verify, commit, emit,
                       drafter.commit;  done (EOS / max tokens / stop string) -> leaves, slots freed
@@ -39,13 +40,13 @@ import torch
 
 from specdraft.drafters.base import Drafter, NoDrafter
 from specdraft.engine import Cancelled, Engine
-from specdraft.drafters.budget import BATCH_RULE, batch_budget, batch_rows, load_cost_curve
+from specdraft.drafters.budget import BATCH_RULE, batch_budget, batch_rows, live_costs, load_cost_curve
 from specdraft.errors import SpecdraftError
-from specdraft.generate import Emitter, GenerateConfig, GenerationResult, GenerationStats, TokenLogprob, plan
+from specdraft.generate import Emitter, GenerateConfig, GenerationResult, GenerationStats, TokenLogprob, catch_up, plan
 from specdraft.model.llama import ForwardOutput, KVCache, Transformer
 from specdraft.target import GROW_SLOTS
 from specdraft.tree import Tree
-from specdraft.verify import Accepted, argmax_rows, sample, verify
+from specdraft.verify import argmax_rows, sample, verify
 
 MAX_DEFERRED = 256  # passes a drafter may fall behind (while its sequence drafts nothing) before it catches up
 
@@ -203,7 +204,7 @@ class Batcher:
     s.result.token_ids   # equal to engine.generate(prompt_ids, config).token_ids
     """
 
-    def __init__(self, engine: Engine, max_batch: int = 8, prefill_rows: int = 64) -> None:
+    def __init__(self, engine: Engine, max_batch: int = 8, prefill_rows: int = 64, dynamic: bool = True) -> None:
         target = engine.target
         if target.precision != "fast":
             raise SpecdraftError("batching needs the fast precision mode (its rows do not depend on the pass); "
@@ -215,6 +216,7 @@ class Batcher:
         self.target = target
         self.drafter: Drafter = engine.drafter or NoDrafter()
         self.max_batch, self.prefill_rows = max_batch, prefill_rows
+        self.dynamic = dynamic  # scored trees cut together by the live costs (drafters.budget.LiveCosts.cut_many)
         self.slots = SlotCache(target.model, rows=max(64, prefill_rows))
         self.live: list[Sequence] = []
         self.curve = load_cost_curve(target)
@@ -285,6 +287,7 @@ class Batcher:
                 segments.append(_Segment(s, rows, s.prompt_ids[s.length:s.length + k], list(range(s.length, s.length + k)),
                                          torch.ones(k, k, dtype=torch.bool).tril(), None))
                 rows += k
+        proposed = []  # (sequence, its tree, its budget)
         for s in decoding:
             t0 = time.perf_counter()
             try:
@@ -301,6 +304,12 @@ class Batcher:
                 left.append(s)
                 continue
             s.stats.draft_s += time.perf_counter() - t0
+            proposed.append((s, tree, time.perf_counter() - t0))
+        costs = live_costs(self.target) if self.dynamic else None
+        if costs is not None and proposed:  # the scored trees cut together: the nodes that pay for their rows
+            cut = costs.cut_many([t for _, t, _ in proposed], 1000 * sum(d for *_, d in proposed), other_rows=rows)
+            proposed = [(s, t, d) for (s, _, d), t in zip(proposed, cut)]
+        for s, tree, _ in proposed:
             segments.append(_Segment(s, rows, tree.tokens, [s.length + d for d in tree.depths], tree.ancestor_mask(),
                                      tree))
             rows += len(tree)
@@ -317,6 +326,8 @@ class Batcher:
                 left.append(seg.seq)
             return left
         pass_s = time.perf_counter() - t0
+        if costs is not None:
+            costs.observe_pass(rows, 1000 * pass_s)
         src, dst = [], []
         start = self.slots.scratch
         for seg in segments:
@@ -423,17 +434,8 @@ class Batcher:
 
     @staticmethod
     def _catch_up(s: Sequence) -> None:
-        """Give the drafter the passes it has not seen, as one commit: the tokens produced since, and the
-        hidden rows of the nodes committed, in order (what its commits read, ``Accepted.path`` rows and
-        ``new_tokens``).  A drafter that steps over many positions at once (hybrid, block) does in one
-        call what one call per pass would; its drafts may differ in the last bits, the output cannot."""
-        if not s.deferred:
-            return
-        tokens = [t for new, _ in s.deferred for t in new]
-        hidden = {k: torch.cat([h[k] for _, h in s.deferred], 1) for k in s.deferred[0][1]}
-        s.deferred = []
-        s.drafter.commit(Accepted(path=list(range(len(tokens))), tokens=tokens[:-1], bonus=tokens[-1]),
-                         ForwardOutput(logits=None, hidden=hidden))
+        """Give the drafter the passes it has not seen (``generate.catch_up``)."""
+        catch_up(s.drafter, s.deferred)
 
     def _leave(self, s: Sequence, error: BaseException | None) -> None:
         self.live.remove(s)

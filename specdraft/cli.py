@@ -19,11 +19,11 @@ from specdraft.bench.chimeras import ChimeraConfig, chimera_report, format_summa
 from specdraft.bench.cost import PEER_PASSES, PREFILL_LENGTHS, measure_cost_curve, measure_prefill
 from specdraft.bench.coverage import coverage_report
 from specdraft.bench.llamacpp import find_binaries, pass_costs, target_gguf, with_working_repack
-from specdraft.bench.report import format_cost_table, format_table, write_report
+from specdraft.bench.report import format_cost_table, format_decomposition, format_table, write_report
 from specdraft.bench.runner import plot_cost_curve, run_bench
 from specdraft.bench.stats import format_comparison
 from specdraft.chat import ChatSession, run_chat
-from specdraft.drafters.budget import save_cost_curve
+from specdraft.drafters.budget import load_cost_curve, save_cost_curve
 from specdraft.drafters.registry import DRAFTERS, drafters_table
 from specdraft.engine import Engine
 from specdraft.errors import SpecdraftError
@@ -139,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("prepare", help="build the CPU kernels, convert the target's tokenizer and pack its weights "
                                         "once, so the first run is as quick as the next (`make install` runs it)")
     _add_target_args(pr)
+    pr.add_argument("--cost-curve", choices=("auto", "again", "skip"), default="auto",
+                    help="the pass-cost curve the budget policy reads: measure it when none is stored for this machine "
+                         "(auto), measure it again, or skip it")
 
     b = sub.add_parser("bench", help="benchmark against our plain decoding, llama.cpp and HF generate() on the same prompts")
     b.add_argument("--drafter", action="append", default=[], help="drafter to run (repeatable): " + DRAFTER_HELP)
@@ -449,9 +452,16 @@ def cmd_bench(args) -> None:
                     llama_cpp_ngram=not args.no_llamacpp_ngram, hf=not args.no_hf,
                     hf_lookup=args.hf_lookup)
     print(format_table(res))
+    dec = format_decomposition(res)
+    if dec:
+        print("\nspeed-up ~ tokens/pass / (live pass ratio + drafting share); curve: the stored cost curve's ratio "
+              "for the same passes\n" + dec)
     print(f"wrote {Path(args.out) / 'results.json'} and {Path(args.out) / 'speedup.png'}", file=sys.stderr)
     if args.report:
         print(f"wrote {write_report(args.out)}", file=sys.stderr)
+
+
+PREPARE_CURVE_ROWS = 32  # the cost curve `prepare` measures: passes of 1..32 tokens (bench --cost-curve: 1..64)
 
 
 def cmd_prepare(args) -> None:
@@ -462,8 +472,14 @@ def cmd_prepare(args) -> None:
     t1 = time.perf_counter()
     print(f"CPU kernels: {'ready' if ok else 'unavailable (the exact mode still works)'} ({t1 - t0:.1f} s)", file=sys.stderr)
     target = _engine(args).target  # converts and caches the tokenizer, packs the weights into the cache
-    print(f"{target.name}: {target.precision} mode, tokenizer and packed weights cached "
-          f"({time.perf_counter() - t1:.1f} s)", file=sys.stderr)
+    t2 = time.perf_counter()
+    print(f"{target.name}: {target.precision} mode, tokenizer and packed weights cached ({t2 - t1:.1f} s)", file=sys.stderr)
+    if args.cost_curve == "again" or (args.cost_curve == "auto" and load_cost_curve(target) is None):
+        curve = measure_cost_curve(target, max_n=PREPARE_CURVE_ROWS, repeats=5, quiet=True)
+        path = save_cost_curve(target, curve)
+        print(f"cost curve: a pass over 1 / 4 / 8 / 16 tokens costs {curve['ms'][0]:.1f} ms / "
+              + " / ".join(f"{curve['ratio'][n - 1]:.2f}x" for n in (4, 8, 16)) + f" ({time.perf_counter() - t2:.1f} s; "
+              f"{path}; `specdraft prepare --cost-curve again` on a quiet machine measures it anew)", file=sys.stderr)
 
 
 def cmd_export_target(args) -> None:

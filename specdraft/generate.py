@@ -1,9 +1,12 @@
 """One generate loop for every drafter (plain decoding = the empty drafter).
 
     prefill(prompt) -> first token (the first root) -> drafter.reset
-    loop: tree = drafter.propose(budget); logits = target.forward_tree(tree)
+    loop: tree = drafter.propose(budget), or the root alone where drafting does not pay (costs.drafting_pays)
+          tree = costs.cut(tree)   (a scored tree: the nodes that pay on this machine, drafters.budget)
+          logits = target.forward_tree(tree)
           accepted = verify(tree, logits); target.commit(accepted.path); drafter.commit(...)
-          stream the new tokens; stop on EOS / max tokens / stop strings
+          costs.observe(the pass's, the drafting's time, the tokens); stream the new tokens;
+          stop on EOS / max tokens / stop strings
 """
 
 from __future__ import annotations
@@ -17,9 +20,12 @@ import torch
 from torch import Tensor
 
 from specdraft.drafters.base import Drafter, NoDrafter
+from specdraft.drafters.budget import LiveCosts, live_costs
 from specdraft.errors import SpecdraftError
 from specdraft.target import Target
-from specdraft.verify import Sampling, argmax_rows, sample, verify
+from specdraft.tree import Tree
+from specdraft.model.llama import ForwardOutput
+from specdraft.verify import Accepted, Sampling, argmax_rows, sample, verify
 
 
 MAX_TOP_LOGPROBS = 20  # the most alternatives a token's log-probabilities list (OpenAI's limit)
@@ -54,6 +60,8 @@ class GenerateConfig:
     seed: int | None = None  # sampling seed (None = 0)
     stop: list[str] = field(default_factory=list)  # stop strings (cut from the text)
     budget: int | None = None  # drafted nodes per tree; None = the drafter's default
+    dynamic: bool = True  # cut each scored tree to the nodes that pay on this machine (drafters.budget.LiveCosts);
+    # False: every tree as the drafter proposed it
     logprobs: int | None = None  # None: none; N >= 0: each token's log-probability and the N most likely (<= 20)
 
     def __post_init__(self) -> None:
@@ -69,6 +77,7 @@ class GenerationStats:
     tokens_per_pass: float = 0.0  # committed / passes
     accept_hist: dict[int, int] = field(default_factory=dict)  # drafted tokens accepted -> passes
     tree_nodes: int = 0  # drafted nodes summed over passes
+    pass_rows: dict[int, int] = field(default_factory=dict)  # rows in a target pass (tree size) -> passes
     prefill_s: float = 0.0
     draft_s: float = 0.0  # the drafter's work: propose, and commit (reading the accepted features)
     verify_s: float = 0.0  # target tree passes + verification + cache compaction
@@ -203,6 +212,21 @@ class Emitter:
                                 logprobs=self.logprobs)
 
 
+def catch_up(drafter: Drafter, deferred: list[tuple[list[int], dict]]) -> None:
+    """Give ``drafter`` the passes it has not seen (``deferred``: per pass, the tokens it produced and the hidden
+    rows of its committed nodes), as one commit: those tokens, and the rows in order (what a commit reads,
+    ``Accepted.path`` rows and ``new_tokens``).  A drafter that steps over many positions at once (hybrid,
+    block) does in one call what one call per pass would; its drafts may differ in the last bits, the output
+    cannot.  Empties ``deferred``."""
+    if not deferred:
+        return
+    tokens = [t for new, _ in deferred for t in new]
+    hidden = {k: torch.cat([h[k] for _, h in deferred], 1) for k in deferred[0][1]}
+    deferred.clear()
+    drafter.commit(Accepted(path=list(range(len(tokens))), tokens=tokens[:-1], bonus=tokens[-1]),
+                   ForwardOutput(logits=None, hidden=hidden))
+
+
 def generate(
     target: Target,
     prompt_ids: list[int],
@@ -235,27 +259,41 @@ def generate(
     done = emit.done
     if not done:
         drafter.reset(prompt_ids, first, out)
-    committed_by_passes = 0
+    committed_by_passes, root = 0, first
+    costs: LiveCosts | None = live_costs(target) if cfg.dynamic and budget > 0 else None
+    deferred: list[tuple[list[int], dict]] = []  # passes the drafter has not seen while drafting paused (catch_up)
     while not done:
         t0 = time.perf_counter()
-        tree = drafter.propose(budget)
+        drafting = costs is None or costs.drafting_pays(drafter.name)
+        if drafting:
+            catch_up(drafter, deferred)
         t1 = time.perf_counter()
+        tree = drafter.propose(budget) if drafting else Tree.single(root)
+        t2 = time.perf_counter()
+        if costs is not None:
+            tree = costs.cut(tree, drafter.name)
         out = target.forward_tree(tree, hidden_layers=drafter.hidden_layers)
+        t3 = time.perf_counter()
         acc = verify(tree, out.logits[0], s, gen)
         target.commit(acc.path)
-        t2 = time.perf_counter()
-        stats.draft_s += t1 - t0
-        stats.verify_s += t2 - t1
+        stats.verify_s += time.perf_counter() - t2
         stats.passes += 1
         stats.tree_nodes += len(tree) - 1
+        stats.pass_rows[len(tree)] = stats.pass_rows.get(len(tree), 0) + 1
         hist[len(acc.tokens)] += 1
         rows = out.logits[0, acc.path] if cfg.logprobs is not None else None  # row path[i] produced token i
         committed_by_passes += emit.push(acc.new_tokens, rows)
-        done = emit.done
-        if not done:
-            t3 = time.perf_counter()
+        done, root = emit.done, acc.bonus
+        t4 = t5 = time.perf_counter()
+        if not done and drafting:
             drafter.commit(acc, out)
-            stats.draft_s += time.perf_counter() - t3
+            t5 = time.perf_counter()
+        elif not done:  # drafting paused: the drafter sees this pass when it next drafts
+            deferred.append((acc.new_tokens, {k: v[:, acc.path].clone() for k, v in out.hidden.items()}))
+        stats.draft_s += (t2 - t0) + (t5 - t4)
+        if costs is not None:  # the catch-up counts as this drafted step's commit
+            costs.observe(drafter.name, len(tree), 1000 * (t3 - t2), 1000 * (t2 - t1), 1000 * ((t1 - t0) + (t5 - t4)),
+                          len(acc.new_tokens), drafting)
         if target.length + budget + 2 > target.capacity and not done:
             done = True  # context exhausted
 

@@ -20,6 +20,8 @@ class Tree:
     tokens: list[int]  # [N] token id per node; tokens[0] = root
     parents: list[int]  # [N] parent index; parents[0] = -1
     depths: list[int] = field(default_factory=list)  # [N] distance from the root
+    probs: list[float] = field(default_factory=list)  # [N] the drafter's calibrated probability that node i is
+    # accepted (the target's continuation passes through it; probs[0] = 1), or [] when it gives none
     _children: list[dict[int, int]] = field(default_factory=list, repr=False)  # token -> child index
 
     def __post_init__(self) -> None:
@@ -27,6 +29,8 @@ class Tree:
             raise ValueError("a tree needs as many parents as tokens, and at least the root")
         if self.parents[0] != -1:
             raise ValueError("node 0 must be the root (parent -1)")
+        if self.probs and len(self.probs) != len(self.tokens):
+            raise ValueError("a tree's probs need one entry per node")
         self.depths = [0] * len(self.tokens)
         self._children = [{} for _ in self.tokens]
         for i in range(1, len(self.tokens)):
@@ -67,6 +71,35 @@ class Tree:
                     children[node][tok] = nxt
                 node = nxt
         return cls(tokens=tokens, parents=parents)
+
+    def with_probs(self, probs: Sequence[float]) -> "Tree":
+        """This tree with node probabilities ``probs`` [N], each capped by its parent's (a node is accepted
+        only if its parent is), so every prefix-closed cut by probability is a subtree."""
+        p = [1.0] + [0.0] * (len(self.tokens) - 1)
+        for i in range(1, len(self.tokens)):
+            p[i] = min(max(float(probs[i]), 0.0), p[self.parents[i]])
+        return Tree(tokens=self.tokens, parents=self.parents, probs=p)
+
+    def keep(self, nodes: Sequence[int]) -> "Tree":
+        """The subtree of ``nodes`` (the root included, each node's parent among them), in tree order."""
+        order = sorted(set(nodes) | {0})
+        new = {old: i for i, old in enumerate(order)}
+        try:
+            parents = [-1] + [new[self.parents[i]] for i in order[1:]]
+        except KeyError:
+            raise ValueError("the kept nodes are not prefix-closed") from None
+        probs = [self.probs[i] for i in order] if self.probs else []
+        return Tree(tokens=[self.tokens[i] for i in order], parents=parents, probs=probs)
+
+    def walk(self, path: Sequence[int]) -> list[int]:
+        """The nodes along token ``path`` from the root (root excluded), as far as the tree holds it."""
+        out, node = [], 0
+        for tok in path:
+            node = self._children[node].get(tok)
+            if node is None:
+                break
+            out.append(node)
+        return out
 
     def child(self, node: int, token: int) -> int | None:
         return self._children[node].get(token)

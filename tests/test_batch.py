@@ -472,3 +472,31 @@ def test_exact_mode_server_stays_one_at_a_time(tiny_chat_target):
     queue = RequestQueue(Engine(twin(tiny_chat_target)), max_batch=4, max_queue=2)
     assert queue.batcher is None and queue.max_batch == 1 and queue.capacity == 3
     assert "fast precision mode" in queue.batch_note and queue.health()["note"] == queue.batch_note
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "hybrid"])
+def test_trees_cut_together_in_a_batch_change_no_answer(fast_target, drafter, monkeypatch):
+    """The batch cuts its sequences' scored trees together by the live costs (``LiveCosts.cut_many``): every
+    answer still equals offline plain decoding, and some passes kept drafted rows."""
+    import specdraft.batch as batch_module
+    from specdraft.drafters.budget import LiveCosts
+    from specdraft.drafters.calibration import Calibration
+
+    costs = LiveCosts({"n": list(range(1, 65)), "ms": [1.0 + 0.05 * n for n in range(1, 65)]})
+    monkeypatch.setattr(batch_module, "live_costs", lambda target: costs)
+    ps = prompts(LENGTHS[:6])
+    cfgs = [GenerateConfig(max_new_tokens=n) for n in (30, 12, 40, 25, 33, 8)]
+    plain = Engine(twin(fast_target))
+    refs = [plain.generate(p, c).token_ids for p, c in zip(ps, cfgs)]
+    if drafter == "ngram":
+        d = NgramDrafter(table={"1,0,1": 0.5, "2,0,1": 0.6, "1,0,2": 0.3, "2,0,2": 0.4, "3,0,1": 0.7})
+    else:
+        d = random_hybrid(fast_target)
+        d.calibration = Calibration()
+    d.default_budget = 4
+    batcher = Batcher(Engine(twin(fast_target), d), max_batch=4, prefill_rows=8)
+    seqs = run_batch(batcher, list(zip(ps, cfgs)))
+    assert all(s.error is None for s in seqs), [s.error for s in seqs]
+    got = {tuple(s.prompt_ids): s.result.token_ids for s in seqs}
+    assert [got[tuple(p)] for p in ps] == refs
+    assert costs.live and max(costs.live) > 4  # passes were timed, some with drafted rows

@@ -1,5 +1,7 @@
 """The one budget policy (drafters/budget.py) as the registry applies it."""
 
+import pytest
+
 from specdraft.drafters import budget, make_drafter
 from specdraft.drafters.budget import budget_from_curve, default_budget
 
@@ -28,3 +30,68 @@ def test_registry_budgets(tiny_llama, monkeypatch):
     assert make_drafter("none", t).default_budget == 0  # plain decoding never drafts
     monkeypatch.setattr(budget, "load_cost_curve", lambda target: None)
     assert make_drafter("ngram", t).default_budget == 2
+
+
+# ---------------------------------------------------------------------- live costs and the tree cut
+from specdraft.drafters.budget import PROBE, SEEN, LiveCosts  # noqa: E402
+from specdraft.drafters.calibration import Calibration, fit, with_scores  # noqa: E402
+from specdraft.tree import Tree  # noqa: E402
+
+LINEAR = {"n": list(range(1, 33)), "ms": [10.0 + 2.0 * (n - 1) for n in range(1, 33)]}  # +20% a row
+
+
+def test_cut_keeps_the_nodes_that_pay():
+    costs = LiveCosts(LINEAR)
+    tree = Tree.from_paths(1, [[2, 3, 4], [5]]).with_probs([1, 0.9, 0.8, 0.1, 0.3])
+    # best first: 2 (0.9), 3 (0.8), 5 (0.3), 4 (0.1); tokens / ms: k=0 1/10, k=1 1.9/12, k=2 2.7/14 (best),
+    # k=3 3.0/16, k=4 3.1/18
+    cut = costs.cut(tree, "d")
+    assert cut.tokens == [1, 2, 3] and cut.probs == [1.0, 0.9, 0.8]
+    costs.propose["d"] = 100.0  # drafting this dear: every node is worth its rows (the rate only rises)
+    assert len(costs.cut(tree, "d")) == 5
+    flat = Tree.from_paths(1, [[2], [3]]).with_probs([1, 0.1, 0.05])
+    assert costs.cut(flat, "e").tokens == [1]  # nothing confident: a plain step
+    assert costs.cut(Tree.from_paths(1, [[2]]), "e").tokens == [1, 2]  # no probabilities: as proposed
+
+
+def test_live_costs_follow_the_passes():
+    costs = LiveCosts(LINEAR)
+    assert costs.pass_ms(3) == [10.0, 12.0, 14.0]
+    for _ in range(SEEN):
+        costs.observe("d", 2, 24.0, 1.0, 0.5, 2, True)  # 2-row passes cost twice the curve's
+    est = costs.pass_ms(4)
+    assert est[1] == 24.0  # seen often enough: its own average
+    assert costs.scale > 1.2 and est[3] >= est[2] >= est[1]  # the others: the curve at the live pace, never cheaper
+    assert costs.curve_ms(40) == 10.0 + 2.0 * 39  # past the curve's end: along its last segment
+    before = costs.pass_ms(2)[1]
+    costs.observe("d", 2, 10_000.0, 1.0, 0.5, 2, True)  # one preempted pass moves the average a little
+    assert costs.pass_ms(2)[1] <= before * 1.06
+    assert abs(costs.draft_ms("d") - 1.5) < 1e-9
+
+
+def test_drafting_pauses_where_it_does_not_pay_and_probes():
+    costs = LiveCosts(LINEAR)
+    for _ in range(SEEN):  # drafted steps of 1 token for 10 + 5 ms against a 10 ms plain pass
+        assert costs.drafting_pays("d")
+        costs.observe("d", 1, 10.0, 5.0, 0.0, 1, True)
+    answers = [costs.drafting_pays("d") for _ in range(2 * PROBE)]
+    assert answers.count(True) == 2 and answers[PROBE - 1]  # one probe in PROBE steps
+    for _ in range(200):  # drafting pays again: 3 tokens a step
+        costs.observe("d", 3, 14.0, 1.0, 0.0, 3, True)
+    assert costs.drafting_pays("d") and costs.drafting_pays("d")
+
+
+def test_calibration_fit_and_scores():
+    cal = fit([0.1] * 50 + [0.5] * 50 + [0.9] * 50, [False] * 45 + [True] * 5 + [False] * 35 + [True] * 15
+              + [True] * 40 + [False] * 10, bins=3)
+    assert [round(x, 6) for x in cal.xs] == [0.1, 0.5, 0.9] and [round(y, 2) for y in cal.ys] == [0.1, 0.3, 0.8]
+    assert abs(cal(0.3) - 0.2) < 1e-9 and cal(0.0) == 0.1 and cal(1.0) == 0.8
+    pooled = fit([0.1] * 50 + [0.5] * 50, [True] * 30 + [False] * 20 + [True] * 10 + [False] * 40, bins=2)
+    assert [round(y, 6) for y in pooled.ys] == [0.4]  # a violation (0.6 then 0.2) pools into one monotone knot
+    assert Calibration()(1.7) == 1.0
+    with pytest.raises(ValueError):
+        Calibration([0.5, 0.1], [0.1, 0.2])
+    tree = Tree.from_paths(1, [[2, 3]])
+    assert with_scores(tree, [0.0, -0.1, -0.5], None) is tree
+    scored = with_scores(tree, [0.0, -0.1, -0.5], Calibration(), log=True)
+    assert [round(p, 4) for p in scored.probs] == [1.0, 0.9048, 0.6065]

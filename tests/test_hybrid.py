@@ -46,12 +46,12 @@ def test_global_top_budget_tree_on_hand_written_levels():
           Level([0, 0, 1], [13, 14, 15], [-1.0, -2.0, -0.5]),
           Level([0, 2], [16, 17], [0.0, -1.0])]
     # cumulative: a -1, b -2, c -4, ad -2, ae -3, bf -2.5, adg -2, bfh -3.5
-    tree, picked = build_beam_tree(99, lv, budget=5)
+    tree, picked, _ = build_beam_tree(99, lv, budget=5)
     # a; the ties at -2 shallowest first: b, ad, adg; then bf
     assert tree.tokens == [99, 10, 11, 13, 16, 15]
     assert tree.parents == [-1, 0, 0, 1, 3, 2]
     assert picked == [(0, 0), (0, 1), (1, 0), (2, 0), (1, 2)]
-    tree, _ = build_beam_tree(99, lv, budget=7)  # then ae (-3) and bfh (-3.5); c (-4) stays out
+    tree, _, _ = build_beam_tree(99, lv, budget=7)  # then ae (-3) and bfh (-3.5); c (-4) stays out
     assert tree.tokens == [99, 10, 11, 13, 16, 15, 14, 17]
     assert tree.parents == [-1, 0, 0, 1, 3, 2, 1, 5]
     assert build_beam_tree(99, lv, budget=0)[0].tokens == [99]
@@ -60,9 +60,9 @@ def test_global_top_budget_tree_on_hand_written_levels():
 
 def test_prefix_closed_even_when_a_child_ties_its_parent():
     lv = [Level([0, 0], [1, 2], [L(0.5), L(0.5)]), Level([1], [3], [0.0])]  # node 2's child has prob 1
-    tree, _ = build_beam_tree(0, lv, budget=2)
+    tree, _, _ = build_beam_tree(0, lv, budget=2)
     assert tree.tokens == [0, 1, 2]  # the child (score .5, depth 2) waits for depth-1 ties
-    tree, _ = build_beam_tree(0, lv, budget=3)
+    tree, _, _ = build_beam_tree(0, lv, budget=3)
     assert tree.tokens == [0, 1, 2, 3] and tree.parents == [-1, 0, 0, 2]
 
 
@@ -79,7 +79,7 @@ def test_beam_expansion_of_serial_and_parallel_levels():
     assert par[0].parents == [0, 1] and par[0].tokens == [1, 5]
     assert par[1].parents == [0, 0] and par[1].tokens == [3, 4]  # head 1 of beam 0 under node "1"
     assert [round(math.exp(x), 4) for x in par[1].logps] == [0.6, 0.4]
-    tree, _ = build_beam_tree(0, [Level([0, 0], [50, 51], [L(0.5), L(0.25)])] + par, budget=4)
+    tree, _, _ = build_beam_tree(0, [Level([0, 0], [50, 51], [L(0.5), L(0.25)])] + par, budget=4)
     assert tree.tokens == [0, 50, 1, 51, 3] and tree.parents == [-1, 0, 1, 0, 2]
 
 
@@ -555,3 +555,32 @@ def test_fine_tuning_from_a_checkpoint_on_two_data_folders(tiny_chat_target, tin
     with pytest.raises(SpecdraftError, match="one feature folder per data folder"):
         H.train_hybrid(t, [tiny_train_data / "data", more / "data"], [tiny_train_data / "feat"], tmp_path / "x.safetensors",
                        H.HybridTrainConfig(serial=s, parallel=m, feature_layers=(1, FINAL)), quiet=True, log=lambda *a: None)
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_scored_trees_cut_and_paused_drafting_stay_exact(tiny_llama, monkeypatch, kind):
+    """A hybrid's tree carries each node's path probability (its product of draft probabilities, through the
+    calibration); the live policy cuts it and pauses drafting, the serial layers catching up on the missed
+    passes in one step: plain greedy's output all the same."""
+    import importlib
+    import random
+
+    from specdraft.drafters.budget import LiveCosts
+    from specdraft.drafters.calibration import Calibration
+
+    gen_module = importlib.import_module("specdraft.generate")
+    _, target, _ = tiny_llama
+    model = _random_model(target, *CONFIGS[kind], vocab=48)
+    d = HybridDrafter(model, HybridOptions(topk=4, beams=4))
+    d.calibration = Calibration()
+    d.reset([3, 4, 5], 6, target.prefill([3, 4, 5], 40, hidden_layers=d.hidden_layers))
+    tree = d.propose(6)
+    assert tree.probs and all(0.0 <= p <= 1.0 for p in tree.probs)
+    assert all(tree.probs[i] <= tree.probs[tree.parents[i]] for i in range(1, len(tree)))
+    costs = LiveCosts({"n": list(range(1, 17)), "ms": [1.0 + 0.05 * n for n in range(1, 17)]})
+    rng = random.Random(0)
+    monkeypatch.setattr(gen_module, "live_costs", lambda t: costs)
+    monkeypatch.setattr(costs, "drafting_pays", lambda name: rng.random() < 0.5)
+    cfg = GenerateConfig(max_new_tokens=30, budget=6)
+    ref = generate(target, [7, 8, 9, 10], None, cfg)
+    assert generate(target, [7, 8, 9, 10], d, cfg).token_ids == ref.token_ids

@@ -146,3 +146,14 @@ def test_fused_blocks_in_left_padded_batches(exact_target, monkeypatch):
         outs.append(generate_batch(t.model, prompts, 12, t.eos_ids).tokens)
         assert bool(calls) == fused and all(1 <= b <= 3 for b in calls) and (not fused or calls[0] == 3)
     assert outs[0] == outs[1] and all(len(x) > 0 for x in outs[1])
+
+
+def test_q8_0_rows_dequantize_as_gguf_py_does():
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    w = np.random.default_rng(3).standard_normal((5, 96)).astype(np.float32) * 4
+    raw = quantize(w, GGMLQuantizationType.Q8_0)
+    ref = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q8_0).reshape(5, 96))
+    assert torch.equal(RawQuant("Q8_0", 96, raw).dequantize(), ref)
+    assert torch.equal(RawQuant("Q8_0", 96, raw[[3, 1]]).dequantize(), ref[[3, 1]])  # looked-up rows

@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 
 from specdraft.datasets import load_prompts
-from specdraft.drafters import make_drafter
+from specdraft.drafters import budget, make_drafter
+from specdraft.drafters.budget import LiveCosts
 from specdraft.drafters.registry import REGISTRY, weights_path
 from specdraft.generate import GenerateConfig, generate
 
@@ -40,6 +41,13 @@ MEASURED = {
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture(autouse=True)
+def no_cost_curve(monkeypatch):
+    """The floors were measured with each drafter's fallback budget: no stored cost curve, whatever this machine
+    has stored (``specdraft prepare`` measures one)."""
+    monkeypatch.setattr(budget, "load_cost_curve", lambda target: None)
+
+
 @pytest.fixture(scope="module")
 def cases(default_target):
     """(prompt ids, plain greedy ids) per dataset."""
@@ -64,7 +72,8 @@ def test_shipped_drafter_is_exact_and_accepts_drafts(default_target, cases, spec
     for budget, measured in zip((1, None, 32), MEASURED[spec]):
         committed = passes = 0
         for ds, (ids, ref) in cases.items():
-            r = generate(default_target, ids, drafter, GenerateConfig(max_new_tokens=NEW_TOKENS, budget=budget))
+            r = generate(default_target, ids, drafter, GenerateConfig(max_new_tokens=NEW_TOKENS, budget=budget,
+                                                                      dynamic=False))
             assert r.token_ids == ref, (spec, budget, ds)
             committed += r.stats.committed
             passes += r.stats.passes
@@ -78,3 +87,20 @@ def test_tree_and_order_variants_are_exact(default_target, cases, spec):
     drafter = make_drafter(spec, default_target)
     for ds, (ids, ref) in cases.items():
         assert generate(default_target, ids, drafter, GenerateConfig(max_new_tokens=NEW_TOKENS)).token_ids == ref, ds
+
+
+@pytest.mark.parametrize("spec", ["ngram", "phrase", "gumiho", "eagle3", "mfd", "dflash"])
+def test_shipped_drafter_is_exact_under_the_live_policy(default_target, cases, spec, monkeypatch):
+    """With scored trees cut by the live policy (a pass costing 15% more a row, as on AVX2) and drafting paused
+    where it does not pay: still plain greedy's output, and some passes carry more than the root."""
+    import importlib
+
+    costs = LiveCosts({"n": list(range(1, 33)), "ms": [6.0 * (1 + 0.15 * (n - 1)) for n in range(1, 33)]})
+    monkeypatch.setattr(importlib.import_module("specdraft.generate"), "live_costs", lambda t: costs)
+    drafter = make_drafter(spec, default_target, budget=8)
+    rows = 0
+    for ds, (ids, ref) in cases.items():
+        r = generate(default_target, ids, drafter, GenerateConfig(max_new_tokens=NEW_TOKENS))
+        assert r.token_ids == ref, (spec, ds)
+        rows += sum(n * c for n, c in r.stats.pass_rows.items() if n > 1)
+    assert rows > 0, spec

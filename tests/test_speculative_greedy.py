@@ -149,3 +149,38 @@ def test_random_trees_on_the_quantized_default_target(default_target, exact_targ
             got = generate(t, ids, drafter, cfg)
             assert got.token_ids == ref.token_ids, (p, width, depth, budget)
             assert max(got.stats.accept_hist) >= 2  # deep true paths were accepted through non-linear trees
+
+
+class ScoredRandomDrafter(RandomTreeDrafter):
+    """RandomTreeDrafter whose nodes carry random probabilities, so the live cut keeps random subtrees."""
+
+    def propose(self, budget):
+        tree = super().propose(budget)
+        return tree.with_probs([self.rng.random() for _ in tree.tokens])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_cut_trees_and_paused_drafting_equal_plain_greedy(tiny_llama, monkeypatch, seed):
+    """The live policy (drafters.budget.LiveCosts) cuts scored trees and pauses drafting, the drafter catching up
+    on the passes it missed in one commit: the output stays plain greedy's, whatever it decides."""
+    import importlib
+
+    from specdraft.drafters.budget import LiveCosts
+
+    gen_module = importlib.import_module("specdraft.generate")
+    _, target, _ = tiny_llama
+    vocab = target.config.vocab_size
+    costs = LiveCosts({"n": list(range(1, 33)), "ms": [1.0 + 0.1 * n for n in range(1, 33)]})
+    rng = random.Random(seed)
+    monkeypatch.setattr(gen_module, "live_costs", lambda t: costs)
+    monkeypatch.setattr(costs, "drafting_pays", lambda name: rng.random() < 0.6)
+    prompt = [rng.randrange(2, vocab) for _ in range(8)]
+    cfg = GenerateConfig(max_new_tokens=40)
+    ref = generate(target, prompt, None, cfg)
+    for drafter in (ScoredRandomDrafter(seed, vocab, ref.token_ids, 3, 5, 12), NgramDrafter()):
+        drafter.default_budget = 12
+        got = generate(target, prompt, drafter, cfg)
+        assert got.token_ids == ref.token_ids
+        assert got.stats.pass_rows and sum(got.stats.pass_rows.values()) == got.stats.passes
+    assert 1 in got.stats.pass_rows  # some passes paused (or cut to the root)
+    assert costs.live  # the passes were timed

@@ -105,3 +105,17 @@ def test_argmax_rows_matches_torch_including_ties():
     assert argmax_rows(logits)[2] == 100 and argmax_rows(logits)[3] == 0
     assert argmax_rows(logits[:, ::2]) == logits[:, ::2].argmax(-1).tolist()  # non-contiguous
     assert argmax_rows(logits.double()) == logits.argmax(-1).tolist()  # other dtypes: torch's
+
+
+def test_probs_are_capped_by_the_parent_and_kept_by_a_cut():
+    t = Tree.from_paths(9, [[1, 2, 3], [1, 4], [5]])  # nodes: 1, 2, 3, 4 (under 1), 5 (under the root)
+    s = t.with_probs([0.0, 0.6, 0.9, 0.2, 0.3, 1.5])
+    assert s.probs == [1.0, 0.6, 0.6, 0.2, 0.3, 1.0]  # a child never above its parent; clamped to [0, 1]
+    assert t.walk([1, 4, 7]) == [1, 4] and t.walk([8]) == []
+    sub = s.keep([1, 4, 5])
+    assert sub.tokens == [9, 1, 4, 5] and sub.parents == [-1, 0, 1, 0] and sub.probs == [1.0, 0.6, 0.3, 1.0]
+    assert t.keep([]).tokens == [9]
+    with pytest.raises(ValueError):
+        t.keep([2])  # node 2 without its parent 1
+    with pytest.raises(ValueError):
+        Tree(tokens=[1, 2], parents=[-1, 0], probs=[1.0])

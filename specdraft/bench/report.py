@@ -346,6 +346,11 @@ def write_report(out_dir: str | Path) -> Path:
                "committed by the target passes after prefill / those passes.", ""]
         try:
             md += [format_table(results), ""]
+            dec = format_decomposition(results)
+            if dec:
+                md += ["## Where each speed-up comes from", "", "speed-up ~ tokens per pass / (live pass ratio + "
+                       "drafting share); the curve's ratio is what the stored cost curve says the same passes cost.",
+                       "", dec, ""]
             plot_results(results, out / "speedup.png")
             md += ["![speedup per dataset per method](speedup.png)", ""]
         except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
@@ -454,6 +459,54 @@ def format_table(res: dict) -> str:
             vs_peer = "-" if vs_peer is None else f"{vs_peer:.2f}x"
             lines.append(f"| {ds} | {m} | {v['tok_s']:.1f} | {v[f'speedup_vs_{base}']:.2f}x | {vs_peer} | {tpp} | {dms} | "
                          f"{em} | {ha} |")
+    return "\n".join(lines)
+
+
+def decomposition(res: dict) -> list[dict]:
+    """Each drafter's speed-up over plain decoding taken apart, per dataset:
+    speed-up ~ tokens per pass / (live pass ratio + drafting share), where the live pass ratio is a drafted
+    step's time less its drafting (prefill left out) over a plain step's, the drafting share is the drafting
+    (propose and commit) over a plain step, and the curve's pass ratio is what the stored cost curve says the
+    same passes (the same row counts) cost over one token's."""
+    base = res["config"].get("baseline", "greedy")
+    curve = res.get("cost_curve")
+    ms = dict(zip(curve["n"], curve["ms"])) if curve else {}
+    out = []
+    for ds, d in res["datasets"].items():
+        plain = d["methods"].get(base, {})
+        if not plain.get("passes") or plain.get("prefill_s") is None:
+            continue
+        step = 1000 * (plain["wall_s"] - plain["prefill_s"]) / plain["passes"]
+        for m, v in d["methods"].items():
+            if m == base or not v.get("passes") or v.get("prefill_s") is None:
+                continue
+            per_pass = 1000 * (v["wall_s"] - v["prefill_s"]) / v["passes"]
+            draft = v.get("draft_ms_per_pass") or 0.0
+            rows = v.get("pass_rows") or {}
+            curve_ratio = None
+            if rows and ms and all(int(n) in ms for n in rows):
+                curve_ratio = sum(ms[int(n)] * c for n, c in rows.items()) / sum(rows.values()) / ms[1]
+            out.append({"dataset": ds, "method": m, "tokens_per_pass": v["tokens_per_pass"],
+                        "rows_per_pass": sum(int(n) * c for n, c in rows.items()) / sum(rows.values()) if rows else None,
+                        "pass_ratio_live": (per_pass - draft) / step, "pass_ratio_curve": curve_ratio,
+                        "drafting_share": draft / step, "speedup": v[f"speedup_vs_{base}"],
+                        "speedup_decoding": (v["committed"] / (v["wall_s"] - v["prefill_s"]))
+                        / (plain["committed"] / (plain["wall_s"] - plain["prefill_s"]))})
+    return out
+
+
+def format_decomposition(res: dict) -> str:
+    """``decomposition`` as a Markdown table ("" when the results lack the fields)."""
+    rows = decomposition(res)
+    if not rows:
+        return ""
+    lines = ["| dataset | method | tokens/pass | rows/pass | pass ratio: live / curve | drafting share | "
+             "decoding speed-up (prefill left out) |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        curve = "-" if r["pass_ratio_curve"] is None else f"{r['pass_ratio_curve']:.2f}"
+        rpp = "-" if r["rows_per_pass"] is None else f"{r['rows_per_pass']:.2f}"
+        lines.append(f"| {r['dataset']} | {r['method']} | {r['tokens_per_pass']:.2f} | {rpp} | "
+                     f"{r['pass_ratio_live']:.2f} / {curve} | {r['drafting_share']:.0%} | {r['speedup_decoding']:.2f}x |")
     return "\n".join(lines)
 
 

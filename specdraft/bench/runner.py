@@ -31,6 +31,7 @@ from specdraft.bench.hf import build_hf_model, hf_generate
 from specdraft.bench.llamacpp import LlamaServer, find_binaries, ngram_args, target_gguf, with_working_repack
 from specdraft.datasets import load_prompts
 from specdraft.drafters import make_drafter
+from specdraft.drafters.budget import load_cost_curve
 from specdraft.engine import Engine
 from specdraft.errors import SpecdraftError
 from specdraft.generate import GenerateConfig
@@ -131,7 +132,7 @@ def run_bench(
             r = engine_of[method].generate(ids, gcfg)
             return {"tokens": r.token_ids, "wall_s": r.stats.wall_s, "tokens_per_pass": r.stats.tokens_per_pass,
                     "passes": r.stats.passes, "committed": r.stats.committed, "accept_hist": r.stats.accept_hist,
-                    "draft_s": r.stats.draft_s}
+                    "draft_s": r.stats.draft_s, "prefill_s": r.stats.prefill_s, "pass_rows": r.stats.pass_rows}
 
         warm = target.encode_prompt("Say hello.")
         for m in methods:  # warm-up: first-call allocations and kernel choices
@@ -151,7 +152,7 @@ def run_bench(
                                     "budgets": {m: (budget if budget is not None else e.drafter.default_budget)
                                                 for m, e in engine_of.items()},
                                     "date": time.strftime("%Y-%m-%d %H:%M:%S")},
-                         "datasets": {}}
+                         "cost_curve": _curve_of(target), "datasets": {}}
         for ds, prompts in prompts_by_ds.items():
             rows = []
             for i, prompt in enumerate(tqdm(prompts, desc=f"bench {ds}", disable=quiet)):
@@ -168,6 +169,12 @@ def run_bench(
     (out / "results.json").write_text(json.dumps(results, indent=1))
     plot_results(results, out / "speedup.png")
     return results
+
+
+def _curve_of(target) -> dict | None:
+    """The stored cost curve the budget policy starts from ({"n", "ms"}), None without one."""
+    curve = load_cost_curve(target)
+    return None if curve is None else {"n": curve["n"], "ms": curve["ms"]}
 
 
 def _home_relative(path: Path) -> str:
@@ -199,7 +206,8 @@ def _rows(i: int, got: dict, methods: list[str], base: str, greedy: bool, ids: l
                      "agrees_with_greedy": g["tokens"] == ref if greedy else None,
                      "hf_agreement": None if hf_ref is None else hf_div is None, "hf_divergence": hf_div,
                      "passes": g.get("passes"), "committed": g.get("committed"), "accept_hist": g.get("accept_hist"),
-                     "draft_s": g.get("draft_s"), "draft_n": g.get("draft_n"),
+                     "draft_s": g.get("draft_s"), "prefill_s": g.get("prefill_s"), "pass_rows": g.get("pass_rows"),
+                     "draft_n": g.get("draft_n"),
                      "draft_n_accepted": g.get("draft_n_accepted")})
     return rows
 
@@ -230,12 +238,19 @@ def summarize(rows: list[dict], methods: list[str], base: str = "greedy") -> dic
         divs = [x["hf_divergence"] for x in r if x.get("hf_divergence") is not None]
         draft_s = [x["draft_s"] for x in r if x.get("draft_s") is not None]
         drafted = [x for x in r if x.get("draft_n")]
+        pass_rows: dict[int, int] = {}
+        for x in r:
+            for rows_, c in (x.get("pass_rows") or {}).items():
+                pass_rows[int(rows_)] = pass_rows.get(int(rows_), 0) + c
+        prefill = [x["prefill_s"] for x in r if x.get("prefill_s") is not None]
         agg[m] = {"tok_s": toks / wall if wall else 0.0, "new_tokens": toks, "wall_s": wall,
                   "tokens_per_pass": committed / passes if passes else (sum(tpp) / len(tpp) if tpp else None),
                   "tokens_per_pass_prompt_mean": sum(tpp) / len(tpp) if tpp else None,
                   "passes": passes or None,
                   "committed": committed if passes else None,
                   "draft_ms_per_pass": 1000 * sum(draft_s) / passes if passes and draft_s else None,
+                  "prefill_s": sum(prefill) if len(prefill) == len(r) else None,
+                  "pass_rows": dict(sorted(pass_rows.items())) or None,
                   "exact_match": _share(r, "exact_match"),
                   "agrees_with_greedy": _share(r, "agrees_with_greedy"),
                   "hf_agreement": _share(r, "hf_agreement"),

@@ -115,6 +115,8 @@ class TrainedDrafter:
         self.name = name
         self.hidden_layers: tuple[int, ...] = tuple(self.cfg.feature_layers)  # target features read
         self.manifest = manifest or {}
+        self.calibration = None  # raw path probability -> probability of acceptance (the registry sets the fitted
+        # one, drafters.calibration); None: trees carry no probabilities and are used as proposed
         self.cache_layers = cache_layers  # layers with K/V of committed positions
         self.start(-1)
 

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from specdraft.drafters.base import TrainedDrafter, TrainedOptions, prepare_network
+from specdraft.drafters.calibration import with_scores
 from specdraft.errors import SpecdraftError
 from specdraft.model.llama import ForwardOutput
 from specdraft.nn.block import BlockModel, modes_mask
@@ -171,17 +172,20 @@ class BlockDrafter(TrainedDrafter):
             tokens, logp = self.marginals(1, depth)  # [K, depth, 1]
             best = int((prior + logp[:, :, 0].sum(1)).argmax())  # the mode whose chain is most likely
             chain = tokens[best, :, 0].tolist()
-            return Tree(tokens=[self.root] + chain, parents=list(range(-1, depth)))
+            tree = Tree(tokens=[self.root] + chain, parents=list(range(-1, depth)))
+            return with_scores(tree, [0.0] + logp[best, :, 0].cumsum(0).tolist(), self.calibration, log=True)
         if self.tree == "mixture":
             tokens, logp = self.marginals(k, depth)
-            return mixture_tree(self.root, tokens, logp, budget, prior=prior if self.cfg.gate else None).tree
-        if self.cfg.modes == 1:  # the product tree over the one mode's marginals
+            ranked = mixture_tree(self.root, tokens, logp, budget, prior=prior if self.cfg.gate else None)
+        elif self.cfg.modes == 1:  # the product tree over the one mode's marginals
             tokens, logp = self.marginals(k, depth)
-            return ddtree(self.root, tokens[0], logp[0], budget).tree
-        lp = self.block_logp(depth)  # [K, depth, V']: the product tree over the modes' mixture sum_k pi_k q_k
-        avg = torch.logsumexp(lp + prior[:, None, None], 0)  # [D, V']
-        top = avg.topk(min(k, avg.shape[-1]), -1)
-        return ddtree(self.root, self.model.vocab_ids[top.indices], top.values, budget).tree
+            ranked = ddtree(self.root, tokens[0], logp[0], budget)
+        else:
+            lp = self.block_logp(depth)  # [K, depth, V']: the product tree over the modes' mixture sum_k pi_k q_k
+            avg = torch.logsumexp(lp + prior[:, None, None], 0)  # [D, V']
+            top = avg.topk(min(k, avg.shape[-1]), -1)
+            ranked = ddtree(self.root, self.model.vocab_ids[top.indices], top.values, budget)
+        return with_scores(ranked.tree, ranked.scores, self.calibration, log=True)
 
 
 # ---------------------------------------------------------------------------- loading

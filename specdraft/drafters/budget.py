@@ -11,11 +11,19 @@ and stores it per target, device, dtype and thread count (``curve_path``).  A dr
    (prompt lookup, the hybrid drafters): the largest tree costing at most 1.5x a one-token pass
    (``budget_from_curve``);
 3. otherwise: the drafter's own fallback (its registry entry).
+
+With a drafter that scores its nodes (``Tree.probs``: each node's calibrated probability of being
+accepted) that budget is only the tree's cap: each pass the tree is cut to the nodes that pay
+(``LiveCosts.cut``).  Taking nodes best first, k drafted nodes are worth 1 + p_1 + ... + p_k tokens
+for a step of pass(k + 1) + drafting ms; the cut keeps the k with the most tokens per ms, k = 0 (a
+plain step) when nothing is confident enough.  pass(n) and drafting are live: moving averages of
+this process's own passes, started from the stored cost curve.
 """
 
 from __future__ import annotations
 
 import json
+import weakref
 from pathlib import Path
 
 import torch
@@ -143,3 +151,132 @@ def batch_rows(curve: dict | None, budget: int) -> int:
     if curve is None:
         return budget + 1
     return budget_from_curve(curve, default=budget, cap=max(int(n) for n in curve["n"])) + 1
+
+
+# ---------------------------------------------------------------------- live costs and the tree cut
+EMA = 0.1  # weight of the newest pass in the moving averages
+SEEN = 8  # passes of one size after which its own average replaces the scaled curve
+CLIP = 1.5  # a pass counts as at most this many times the current estimate (a preempted pass is noise, not pace)
+
+
+PROBE = 8  # while drafting does not pay, one pass in this many drafts anyway (to notice when it pays again)
+GATE_EMA = 0.03  # weight of the newest drafted step in what drafting gains and costs (~30 steps: one unlucky
+# stretch does not stop it)
+
+
+class LiveCosts:
+    """This machine's step costs as measured live (ms): a target pass over n rows and each drafter's
+    drafting per pass.  A size seen ``SEEN`` times costs its own moving average; any other size the
+    stored curve's time times the live/curve ratio averaged over every pass so far (the machine's
+    current pace).  A bigger pass is never counted as cheaper than a smaller one.  Per drafter it also
+    keeps what a drafted step gains (tokens) and costs (ms), so drafting stops where it does not pay."""
+
+    def __init__(self, curve: dict, source: Path | None = None) -> None:
+        self.source = source  # the stored curve's file
+        self.curve = {int(n): float(m) for n, m in zip(curve["n"], curve["ms"])}
+        self.top = max(self.curve)
+        self.scale = 1.0  # live / curve, averaged over passes
+        self.live: dict[int, tuple[float, int]] = {}  # rows -> (average ms, passes seen)
+        self.propose: dict[str, float] = {}  # drafter name -> average ms of a propose
+        self.commit: dict[str, float] = {}  # drafter name -> average ms of its commit
+        self.drafted: dict[str, list[float]] = {}  # drafter name -> [average tokens, average ms, steps] of drafted steps
+        self.skipped: dict[str, int] = {}  # drafter name -> steps not drafted in a row
+
+    def curve_ms(self, rows: int) -> float:
+        """The stored curve at ``rows`` (past its end: along its last two points)."""
+        if rows <= self.top:
+            return self.curve.get(rows) or self.curve[min(self.curve, key=lambda n: abs(n - rows))]
+        step = self.curve[self.top] - self.curve.get(self.top - 1, 0.0)
+        return self.curve[self.top] + max(step, 0.0) * (rows - self.top)
+
+    def pass_ms(self, most: int) -> list[float]:
+        """Estimated ms of a pass over 1..``most`` rows (index n - 1)."""
+        out, worst = [], 0.0
+        for n in range(1, most + 1):
+            ms, seen = self.live.get(n, (0.0, 0))
+            worst = max(worst, ms if seen >= SEEN else self.scale * self.curve_ms(n))
+            out.append(worst)
+        return out
+
+    def draft_ms(self, drafter: str) -> float:
+        """A step's drafting (propose and commit), ms."""
+        return self.propose.get(drafter, 0.0) + self.commit.get(drafter, 0.0)
+
+    def observe(self, drafter: str, rows: int, pass_ms: float, propose_ms: float, commit_ms: float, tokens: int,
+                drafted: bool) -> None:
+        """One step: its pass over ``rows`` rows, the drafter's propose (if ``drafted``) and commit, the tokens it
+        committed."""
+        pass_ms = self.observe_pass(rows, pass_ms)
+        _average(self.commit, drafter, commit_ms)
+        if drafted:
+            _average(self.propose, drafter, propose_ms)
+            d = self.drafted.setdefault(drafter, [float(tokens), pass_ms + propose_ms, 0])
+            d[0] += GATE_EMA * (tokens - d[0])
+            d[1] += GATE_EMA * (min(pass_ms + propose_ms, CLIP * d[1]) - d[1])
+            d[2] += 1
+
+    def observe_pass(self, rows: int, pass_ms: float) -> float:
+        """A target pass over ``rows`` rows took ``pass_ms``; returns it as counted (clipped)."""
+        avg, seen = self.live.get(rows, (pass_ms, 0))
+        pass_ms = min(pass_ms, CLIP * avg)
+        self.live[rows] = (avg + EMA * (pass_ms - avg), seen + 1)
+        self.scale += EMA * (min(pass_ms / self.curve_ms(rows), CLIP * self.scale) - self.scale)
+        return pass_ms
+
+    def drafting_pays(self, drafter: str) -> bool:
+        """Whether to draft this step: until ``SEEN`` drafted steps are measured, yes; then while a drafted step
+        commits more tokens per ms (its average) than a plain pass would, and else one step in ``PROBE``."""
+        d = self.drafted.get(drafter)
+        if d is None or d[2] < SEEN or d[0] / d[1] > 1.0 / self.pass_ms(1)[0]:
+            self.skipped[drafter] = 0
+            return True
+        self.skipped[drafter] = self.skipped.get(drafter, 0) + 1
+        return self.skipped[drafter] % PROBE == 0
+
+    def cut(self, tree, drafter: str):
+        """``tree`` (with ``probs``) cut to the k best nodes maximising (1 + their probabilities) /
+        (pass(k + 1) + drafting ms): the tree itself, a part of it, or the root alone."""
+        return self.cut_many([tree], self.draft_ms(drafter))[0]
+
+    def cut_many(self, trees: list, draft_ms: float, other_rows: int = 0) -> list:
+        """The trees of one pass (a batch's sequences; ``other_rows`` more rows share it, e.g. prompt chunks)
+        cut together: their nodes best first, the k maximising (L + p_1 + ... + p_k) / (pass(L + other_rows + k)
+        + ``draft_ms``) for L trees.  A tree without ``probs`` is kept whole (its nodes counted as rows)."""
+        scored = [t for t in trees if t.probs and len(t) > 1]
+        if not scored:
+            return trees
+        fixed = other_rows + sum(1 if t.probs else len(t) for t in trees)
+        order = sorted(((-t.probs[i], j, i) for j, t in enumerate(trees) if t.probs for i in range(1, len(t))))
+        cost = self.pass_ms(fixed + len(order))
+        tokens = float(len(trees))
+        best, best_k = tokens / (cost[fixed - 1] + draft_ms), 0
+        for k, (neg, _, _) in enumerate(order, 1):
+            tokens -= neg
+            rate = tokens / (cost[fixed + k - 1] + draft_ms)
+            if rate > best:
+                best, best_k = rate, k
+        keep: dict[int, list[int]] = {}
+        for _, j, i in order[:best_k]:  # a parent before its children: p never rises along a path, ties by index
+            keep.setdefault(j, []).append(i)
+        return [t if not t.probs or len(keep.get(j, ())) == len(t) - 1 else t.keep(keep.get(j, []))
+                for j, t in enumerate(trees)]
+
+
+def _average(table: dict, key: str, ms: float) -> None:
+    avg = table.get(key)
+    table[key] = ms if avg is None else avg + EMA * (min(ms, CLIP * avg) - avg)
+
+
+_LIVE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def live_costs(target) -> LiveCosts | None:
+    """The target's ``LiveCosts`` in this process (shared by every generation on it), started from its
+    stored cost curve; None without one (then trees are used as proposed)."""
+    costs = _LIVE.get(target)
+    if costs is None or costs.source != curve_path(target):
+        curve = load_cost_curve(target)
+        if curve is None:
+            return None
+        costs = _LIVE[target] = LiveCosts(curve, curve_path(target))
+    return costs

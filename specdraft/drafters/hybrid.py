@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from specdraft.drafters.base import TrainedDrafter, TrainedOptions, prepare_network
+from specdraft.drafters.calibration import with_scores
 from specdraft.errors import SpecdraftError
 from specdraft.model.llama import ForwardOutput
 from specdraft.nn.checkpoint import DraftCheckpoint
@@ -52,9 +53,9 @@ class Level:
     logps: list[float] = field(default_factory=list)
 
 
-def build_beam_tree(root: int, levels: list[Level], budget: int) -> tuple[Tree, list[tuple[int, int]]]:
+def build_beam_tree(root: int, levels: list[Level], budget: int) -> tuple[Tree, list[tuple[int, int]], list[float]]:
     """The ``budget`` candidates with the highest cumulative log-probability, prefix-closed, plus
-    the root, as a Tree (best first within the topological order).
+    the root, as a Tree (best first within the topological order), and each node's cumulative log-probability.
 
     Best-first search from the root: a node becomes eligible once its parent is taken, so the
     result is prefix-closed even with ties; because a child never scores above its parent
@@ -67,7 +68,7 @@ def build_beam_tree(root: int, levels: list[Level], budget: int) -> tuple[Tree, 
         for i, p in enumerate(lv.parents):
             ch.setdefault(p, []).append(i)
         children.append(ch)
-    tokens, parents, picked = [root], [-1], []
+    tokens, parents, picked, scores = [root], [-1], [], [0.0]
     heap: list[tuple[float, int, int, int]] = []  # (-cumulative, depth-1, index, tree node of the parent)
 
     def push(depth: int, parent_idx: int, parent_node: int, parent_cum: float) -> None:
@@ -82,8 +83,9 @@ def build_beam_tree(root: int, levels: list[Level], budget: int) -> tuple[Tree, 
         tokens.append(int(levels[depth].tokens[i]))
         parents.append(parent_node)
         picked.append((depth, i))
+        scores.append(-neg)
         push(depth + 1, i, len(tokens) - 1, -neg)
-    return Tree(tokens=tokens, parents=parents), picked
+    return Tree(tokens=tokens, parents=parents), picked, scores
 
 
 def expand_level(parent_cums: list[float], tokens: list[list[int]], logps: list[list[float]],
@@ -251,7 +253,8 @@ class HybridDrafter(TrainedDrafter):
     def propose(self, budget: int) -> Tree:
         if budget <= 0:
             return Tree.single(self.root)
-        return build_beam_tree(self.root, self.levels(budget), budget)[0]
+        tree, _, scores = build_beam_tree(self.root, self.levels(budget), budget)
+        return with_scores(tree, scores, self.calibration, log=True)
 
 
 # ---------------------------------------------------------------------------- loading

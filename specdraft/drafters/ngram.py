@@ -13,9 +13,22 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+from specdraft.drafters.calibration import load_calibrations
 from specdraft.model.llama import ForwardOutput
 from specdraft.tree import Tree
 from specdraft.verify import Accepted
+
+
+def lookup_key(n: int, rank: int, depth: int) -> str:
+    """A lookup node's cell in the acceptance table: the match length n, whether its continuation was the
+    first of that n (rank 0) or a later one (1), and its depth in the continuation (1-based, at most 8)."""
+    return f"{n},{min(rank, 1)},{min(depth, 8)}"
+
+
+def lookup_table() -> dict[str, float]:
+    """Measured acceptance of a lookup node per ``lookup_key`` (``scripts/calibrate.py``); {} when none
+    was fitted (then lookup trees carry no probabilities and are used as proposed)."""
+    return load_calibrations().get("ngram", {}).get("table", {})
 
 
 @dataclass
@@ -31,8 +44,9 @@ class NgramDrafter:
     hidden_layers: tuple[int, ...] = ()
     default_budget = 2  # drafted nodes per tree without a cost curve (the registry sets the machine's)
 
-    def __init__(self, config: NgramConfig | None = None) -> None:
+    def __init__(self, config: NgramConfig | None = None, table: dict[str, float] | None = None) -> None:
         self.cfg = config or NgramConfig()
+        self.table = lookup_table() if table is None else table  # node acceptance per lookup_key
         self.history: list[int] = []
         # n-gram -> positions just after each occurrence (ascending)
         self.index: dict[tuple[int, ...], list[int]] = defaultdict(list)
@@ -57,12 +71,16 @@ class NgramDrafter:
         self._extend(accepted.new_tokens)
 
     def fork(self) -> "NgramDrafter":
-        new = type(self)(self.cfg)
+        new = type(self)(self.cfg, self.table)
         new.default_budget = self.default_budget
         return new
 
     def candidates(self) -> list[list[int]]:
         """Candidate continuations of the current context, best first."""
+        return [c for c, _, _ in self.scored()]
+
+    def scored(self) -> list[tuple[list[int], int, int]]:
+        """(continuation, match length n, rank among that n's continuations), best first."""
         h, cfg = self.history, self.cfg
         end = len(h)
         seen: set[tuple[int, ...]] = set()
@@ -86,14 +104,29 @@ class NgramDrafter:
                     break
             # within one n: continuations seen more often first, then the most recent
             order.sort(key=lambda c: -len(conts[c]))
+            rank = 0
             for c in order:
                 if c not in seen:
                     seen.add(c)
-                    ranked.append(list(c))
+                    ranked.append((list(c), n, rank))
+                    rank += 1
         return ranked
+
+    def node_probs(self, tree: Tree, scored: list[tuple[list[int], int, int]]) -> list[float]:
+        """Each node's measured acceptance as a lookup node (0 for nodes no candidate reaches); the first,
+        best candidate reaching a node decides its cell."""
+        p = [1.0] + [0.0] * (len(tree) - 1)
+        done = [True] + [False] * (len(tree) - 1)
+        for cont, n, rank in scored:
+            for depth, node in enumerate(tree.walk(cont), 1):
+                if not done[node]:
+                    p[node], done[node] = self.table.get(lookup_key(n, rank, depth), 0.0), True
+        return p
 
     def propose(self, budget: int) -> Tree:
         root = self.history[-1]
         if budget <= 0:
             return Tree.single(root)
-        return Tree.from_paths(root, self.candidates(), budget=budget)
+        scored = self.scored()
+        tree = Tree.from_paths(root, [c for c, _, _ in scored], budget=budget)
+        return tree.with_probs(self.node_probs(tree, scored)) if self.table and len(tree) > 1 else tree

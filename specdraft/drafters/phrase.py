@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdraft.drafters.calibration import Calibration, calibration_for
 from specdraft.drafters.ngram import NgramDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.model.fast import quantize_linears
@@ -49,7 +50,7 @@ class PhraseDrafter:
     default_budget = 6  # drafted nodes per tree without a cost curve (the registry sets the machine's)
 
     def __init__(self, head: PhraseHead, vocab: PhraseVocab, embed, options: PhraseOptions | None = None,
-                 manifest: dict | None = None) -> None:
+                 manifest: dict | None = None, calibration: Calibration | None = None) -> None:
         self.cfg = options or PhraseOptions()
         self.head = head.eval()
         self.vocab = vocab
@@ -58,6 +59,7 @@ class PhraseDrafter:
         self.ngram = NgramDrafter() if self.cfg.ngram else None
         self.h: torch.Tensor | None = None
         self.root = -1
+        self.calibration = calibration  # raw node score -> probability of acceptance; None: trees carry no probs
 
     # ------------------------------------------------------------------ drafter protocol
     def reset(self, prompt_ids: list[int], first_token: int, prefill: ForwardOutput) -> None:
@@ -80,19 +82,38 @@ class PhraseDrafter:
         return new
 
     @torch.inference_mode()
-    def phrase_candidates(self, n: int) -> list[list[int]]:
+    def phrase_candidates(self, n: int) -> tuple[list[list[int]], list[float]]:
+        """The ``n`` most likely entries' expansions and their probabilities under the head."""
         logits = self.head(self.h.float()[None], self.embed[self.root].float()[None])[0]
-        top = logits.topk(min(n, logits.shape[-1])).indices.tolist()
-        return [self.vocab.expansions[k] for k in top]
+        top = torch.softmax(logits.float(), -1).topk(min(n, logits.shape[-1]))
+        return [self.vocab.expansions[k] for k in top.indices.tolist()], top.values.tolist()
 
     def propose(self, budget: int) -> Tree:
         if budget <= 0:
             return Tree.single(self.root)
-        phrases = self.phrase_candidates(self.cfg.top_n)
-        grams = self.ngram.candidates() if self.ngram is not None else []
+        phrases, q = self.phrase_candidates(self.cfg.top_n)
+        scored = self.ngram.scored() if self.ngram is not None else []
+        grams = [c for c, _, _ in scored]
         a, b = (grams, phrases) if self.cfg.ngram_first else (phrases, grams)
         paths = [p for pair in zip(a, b) for p in pair] + a[len(b):] + b[len(a):]
-        return Tree.from_paths(self.root, paths, budget=budget)
+        tree = Tree.from_paths(self.root, paths, budget=budget)
+        if self.calibration is None or len(tree) == 1:
+            return tree
+        return tree.with_probs(self.node_probs(tree, phrases, q, scored))
+
+    def raw_scores(self, tree: Tree, phrases: list[list[int]], q: list[float], scored) -> list[float]:
+        """Each node's raw score: the head's probability mass of the entries whose expansion passes through
+        it (the entries are exclusive labels), joined with the lookup's measured acceptance as independent
+        chances: 1 - (1 - mass)(1 - lookup)."""
+        mass = [0.0] * len(tree)
+        for exp, p in zip(phrases, q):
+            for node in tree.walk(exp):
+                mass[node] += p
+        look = self.ngram.node_probs(tree, scored) if scored else [0.0] * len(tree)
+        return [1.0] + [1.0 - (1.0 - min(m, 1.0)) * (1.0 - g) for m, g in zip(mass[1:], look[1:])]
+
+    def node_probs(self, tree: Tree, phrases, q, scored) -> list[float]:
+        return [self.calibration(r) for r in self.raw_scores(tree, phrases, q, scored)]
 
 
 def load_phrase(target, ckpt: DraftCheckpoint, options: PhraseOptions, name: str | None) -> PhraseDrafter:
@@ -104,4 +125,4 @@ def load_phrase(target, ckpt: DraftCheckpoint, options: PhraseOptions, name: str
         quantize_linears(model)
     embed = target.model.embed
     rows = embed if isinstance(embed, BlockTable) else embed.weight.detach()  # a row at a time: no fp32 table
-    return PhraseDrafter(model, ckpt.vocab, rows, options, ckpt.manifest)
+    return PhraseDrafter(model, ckpt.vocab, rows, options, ckpt.manifest, calibration_for("phrase", target))

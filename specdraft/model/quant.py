@@ -441,6 +441,10 @@ class RawQuant:
         return RawQuant(self.kind, self.cols, np.ascontiguousarray(self.data[index]))
 
     def dequantize(self) -> Tensor:
+        if self.kind == "Q8_0":  # gguf-py's formula (fp16 scale times int8 code, in fp32) without its per-call overhead
+            b = np.ascontiguousarray(self.data).reshape(-1, 34)  # a looked-up embedding row: ~10x quicker
+            arr = b[:, 2:].view(np.int8).astype(np.float32) * b[:, :2].view(np.float16).astype(np.float32)
+            return torch.from_numpy(arr.reshape(self.rows, self.cols))
         arr = dequantize(self.data, GGMLQuantizationType[self.kind])
         return torch.from_numpy(np.asarray(arr, dtype=np.float32).reshape(self.rows, self.cols).copy())
 

@@ -1,0 +1,212 @@
+"""Fit the drafters' node-probability calibrations (specdraft/drafters/calibration.py) and draw their
+reliability diagrams.
+
+Greedy outputs of training-source prompts that no drafter was trained on (gsm_symbolic and reasoning-gym
+tasks with seeds the training never used, reasoning-gym's code problems from the end of the shuffled list
+the training took its rows from the start of) are replayed (``specdraft.replay.simulate``) with a wide tree;
+every drafted node is a (score, accepted) pair: accepted when the target's greedy continuation passes
+through it.  Fitted: the lookup's acceptance table (``drafters.ngram.lookup_key``), then the phrase
+drafter's and each model drafter's monotone map from raw score to acceptance.  With ``--check FILE.jsonl``
+the fitted maps' reliability is also measured on those prompts (not used for fitting).
+
+    python scripts/calibrate.py --prompts 36 --max-new 128 --out docs/results/calibration \
+        [--drafters ngram,phrase,gumiho] [--check docs/prompts/fresh_chat.jsonl ...] [--write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import importlib.util
+import json
+import random
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from specdraft.drafters import make_drafter
+from specdraft.drafters.calibration import CALIBRATION_FILE, Calibration, fit, load_calibrations
+from specdraft.drafters.ngram import NgramDrafter, lookup_key
+from specdraft.replay import greedy_outputs, sequence_hidden, simulate
+from specdraft.datasets import load_prompts
+from specdraft.model.load import cache_dir
+from specdraft.target import Target
+from specdraft.train.prompts import REASONING_TASKS, TRAIN_SEED_BASE, _rg_prompts
+
+SEED = TRAIN_SEED_BASE + 5_000  # seeds the training prompts never used
+PRIOR = 2.0  # pseudo-counts pulling a sparse lookup cell towards its depth's pooled rate
+
+
+def calibration_prompts(n: int) -> list[str]:
+    third = n // 3
+    out = _rg_prompts("gsm_symbolic", third, SEED)
+    rg = []
+    for i, task in enumerate(REASONING_TASKS[:6]):
+        try:
+            rg += _rg_prompts(task, -(-third // 6), SEED + 1 + i)
+        except (KeyError, ValueError):
+            continue
+    out += rg[:third]
+    spec = importlib.util.find_spec("reasoning_gym")
+    with gzip.open(Path(spec.submodule_search_locations[0]) / "data" / "codeio.jsonl.gz", "rt") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    random.Random(TRAIN_SEED_BASE).shuffle(rows)  # the training's order: it takes rows from the start
+    out += [f"Write a Python function `main_solution` for this task.\n\n{r['task_description']}" for r in rows[-(n - 2 * third):]]
+    return out
+
+
+def replay(target, drafter, prompts, outputs, budget: int):
+    """(tree, accepted path, extra) per pass over every prompt; ``extra``: what the drafter's recorder saw."""
+    layers = tuple(sorted(drafter.hidden_layers))
+    passes = []
+    for ids, out in zip(prompts, outputs):
+        hidden = sequence_hidden(target, list(ids) + list(out), layers) if layers else {}
+        trees: list = []
+        simulate(drafter, ids, out, hidden, budget, trees=trees)
+        passes += trees
+    return passes
+
+
+class RecordingLookup(NgramDrafter):
+    """Prompt lookup that keeps each proposal's scored candidates (for the table's cells)."""
+
+    def propose(self, budget):
+        self.last = self.scored()
+        tree = super().propose(budget)
+        self.seen.append(self.last)
+        return tree
+
+
+def fit_lookup(target, prompts, outputs, budget: int) -> tuple[dict, dict]:
+    d = RecordingLookup(table={})
+    d.seen = []
+    passes = replay(target, d, prompts, outputs, budget)
+    counts = defaultdict(lambda: [0, 0])  # key -> [accepted, nodes]
+    for (tree, path), scored in zip(passes, d.seen):
+        on = set(path)
+        done = set()
+        for cont, n, rank in scored:
+            for depth, node in enumerate(tree.walk(cont), 1):
+                if node not in done:
+                    done.add(node)
+                    c = counts[lookup_key(n, rank, depth)]
+                    c[0] += node in on
+                    c[1] += 1
+    by_depth = defaultdict(lambda: [0, 0])
+    for k, (a, m) in counts.items():
+        dd = by_depth[k.rsplit(",", 1)[1]]
+        dd[0] += a
+        dd[1] += m
+    table = {}
+    for k, (a, m) in counts.items():
+        a0, m0 = by_depth[k.rsplit(",", 1)[1]]
+        table[k] = round((a + PRIOR * a0 / m0) / (m + PRIOR), 4)
+    return table, {k: v for k, v in counts.items()}
+
+
+def pairs_of(passes) -> tuple[list[float], list[bool]]:
+    scores, acc = [], []
+    for tree, path in passes:
+        if not tree.probs:
+            continue
+        on = set(path)
+        for i in range(1, len(tree)):
+            scores.append(tree.probs[i])
+            acc.append(i in on)
+    return scores, acc
+
+
+def reliability(scores, acc, cal: Calibration, bins: int = 10) -> list[dict]:
+    """Per bin of calibrated probability: mean predicted, observed acceptance, nodes."""
+    b = defaultdict(lambda: [0.0, 0, 0])
+    for s, a in zip(scores, acc):
+        p = cal(s)
+        k = min(int(p * bins), bins - 1)
+        b[k][0] += p
+        b[k][1] += a
+        b[k][2] += 1
+    return [{"bin": k / bins, "predicted": v[0] / v[2], "observed": v[1] / v[2], "nodes": v[2]} for k, v in sorted(b.items())]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=36)
+    ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--budget", type=int, default=16)
+    ap.add_argument("--drafters", default="ngram,phrase")
+    ap.add_argument("--check", nargs="*", default=[])
+    ap.add_argument("--out", default="docs/results/calibration")
+    ap.add_argument("--write", action="store_true", help=f"write the fitted maps into {CALIBRATION_FILE}")
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    target = Target.load()
+    cal_texts = calibration_prompts(a.prompts)
+    cal_ids = [target.encode_prompt(t) for t in cal_texts]
+    cache = cache_dir() / "calibration"  # the greedy outputs (regenerated when the prompts or target change)
+    cal_out = greedy_outputs(target, cal_ids, a.max_new, cache=cache / "greedy_calibration.json", quiet=False)
+    checks = {}
+    for f in a.check:
+        ids = [target.encode_prompt(t) for t in load_prompts(f)]
+        checks[Path(f).stem] = (ids, greedy_outputs(target, ids, a.max_new, cache=cache / f"greedy_{Path(f).stem}.json"))
+    fitted = load_calibrations()
+    report = {"target": target.weight_hash, "prompts": len(cal_texts), "max_new": a.max_new, "budget": a.budget,
+              "drafters": {}}
+    names = a.drafters.split(",")
+    if "ngram" in names:
+        table, counts = fit_lookup(target, cal_ids, cal_out, a.budget)
+        fitted["ngram"] = {"table": table}
+        report["drafters"]["ngram"] = {"table": table, "counts": counts}
+    for name in names:
+        d = make_drafter(name, target, budget=a.budget)
+        inner = getattr(d, "inner", d)
+        if name == "ngram":
+            d.table = fitted["ngram"]["table"]
+            cal = Calibration()
+        else:
+            inner.calibration = Calibration()  # raw scores out
+            if getattr(inner, "ngram", None) is not None and "ngram" in fitted:
+                inner.ngram.table = fitted["ngram"]["table"]
+            scores, acc = pairs_of(replay(target, d, cal_ids, cal_out, a.budget))
+            cal = fit(scores, acc)
+            fitted[name] = {"target": target.weight_hash, "map": cal.to_json()}
+        rep = report["drafters"].setdefault(name, {})
+        scores, acc = pairs_of(replay(target, d, cal_ids, cal_out, a.budget))
+        rep["calibration_set"] = reliability(scores, acc, cal)
+        if name != "ngram":
+            rep["raw"] = reliability(scores, acc, Calibration())
+        for cname, (ids, outs) in checks.items():
+            s2, a2 = pairs_of(replay(target, d, ids, outs, a.budget))
+            rep[cname] = reliability(s2, a2, cal)
+        print(name, json.dumps(rep["calibration_set"]))
+    (out / "reliability.json").write_text(json.dumps(report, indent=1))
+    plot(report, out / "reliability.png")
+    if a.write:
+        CALIBRATION_FILE.write_text(json.dumps(fitted, indent=1) + "\n")
+        print(f"wrote {CALIBRATION_FILE}")
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+    names = list(report["drafters"])
+    fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4.5), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        for key, rows in report["drafters"][name].items():
+            if not isinstance(rows, list) or not rows:
+                continue
+            ax.plot([r["predicted"] for r in rows], [r["observed"] for r in rows], "o-", label=key)
+        ax.plot([0, 1], [0, 1], "k:", lw=1)
+        ax.set_title(f"{name}: node acceptance")
+        ax.set_xlabel("predicted (calibrated)")
+        ax.set_ylabel("observed")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""Speed-ups over plain greedy with the runs interleaved prompt by prompt (plain, then each drafter spec, on
+the same prompt before the next), so a machine whose pace drifts moves every method alike.
+
+    python scripts/interleaved.py DATASET N SPEC [SPEC ...] [--max-new 192] [--static SPEC ...] [--out F.json]
+    python scripts/interleaved.py docs/prompts/fresh_math.jsonl 8 phrase ngram phrase@budget=6
+
+A spec is a drafter as --drafter takes it; ``--static`` specs run with their trees as proposed (no cut).
+Prints tokens per pass, ms per pass, speed-up and whether every output equals plain greedy's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from specdraft.datasets import load_prompts
+from specdraft.drafters import make_drafter
+from specdraft.generate import GenerateConfig, generate
+from specdraft.model.fast import kernel_info
+from specdraft.target import Target
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("dataset")
+    ap.add_argument("n", type=int)
+    ap.add_argument("specs", nargs="*")
+    ap.add_argument("--static", nargs="*", default=[])
+    ap.add_argument("--max-new", type=int, default=192)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    target = Target.load()
+    prompts = [target.encode_prompt(p) for p in load_prompts(a.dataset, a.n)]
+    runs = [("none", "none", True)] + [(s, s, True) for s in a.specs] + [(s + " (static)", s, False) for s in a.static]
+    drafters = {key: make_drafter(spec, target) for key, spec, _ in runs}
+    for key, _, dyn in runs:  # warm-up
+        generate(target, prompts[0], drafters[key], GenerateConfig(max_new_tokens=16, dynamic=dyn))
+    tot = {key: {"tokens": 0, "passes": 0, "wall_s": 0.0, "draft_s": 0.0, "exact": 0} for key, _, _ in runs}
+    for ids in prompts:
+        ref = None
+        for key, _, dyn in runs:
+            r = generate(target, ids, drafters[key], GenerateConfig(max_new_tokens=a.max_new, dynamic=dyn))
+            ref = r.token_ids if ref is None else ref
+            t = tot[key]
+            t["tokens"] += r.stats.new_tokens
+            t["passes"] += r.stats.passes
+            t["wall_s"] += r.stats.wall_s - r.stats.prefill_s
+            t["draft_s"] += r.stats.draft_s
+            t["exact"] += r.token_ids == ref
+    base = tot["none"]["tokens"] / tot["none"]["wall_s"]
+    print(f"{a.dataset}, {len(prompts)} prompts, {a.max_new} tokens, kernel {kernel_info(target.model)['isa']}")
+    for key, _, _ in runs:
+        t = tot[key]
+        t["budget"] = drafters[key].default_budget
+        t["tok_s"] = t["tokens"] / t["wall_s"]
+        t["speedup"] = t["tok_s"] / base
+        t["tokens_per_pass"] = t["tokens"] / t["passes"]
+        t["ms_per_pass"] = 1000 * t["wall_s"] / t["passes"]
+        t["draft_ms"] = 1000 * t["draft_s"] / t["passes"]
+        print(f"  {key:28s} cap {t['budget']:2d}  {t['tokens_per_pass']:.2f} tok/pass  {t['ms_per_pass']:6.2f} ms/pass "
+              f"(drafting {t['draft_ms']:.2f})  {t['tok_s']:6.1f} tok/s  {t['speedup']:.2f}x  exact {t['exact']}/{len(prompts)}")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"dataset": a.dataset, "kernel": kernel_info(target.model), "runs": tot}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

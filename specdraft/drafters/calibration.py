@@ -1,0 +1,95 @@
+"""Calibrated node probabilities: what a drafter's scores say about acceptance, as measured.
+
+A scored tree (``Tree.probs``) lets the budget policy cut each pass to the nodes that pay
+(``drafters.budget.LiveCosts.cut``), so a node's probability must mean what it says: of the nodes
+given p, a share p is accepted.  A drafter's raw score (a phrase's probability mass, a path's product
+of draft probabilities, a lookup's match length and depth) is mapped to that share by a monotone
+piecewise-linear ``Calibration`` fitted on replayed greedy outputs of training-source prompts
+(``scripts/calibrate.py``: pool-adjacent-violators over binned scores; its reliability diagrams are in
+docs/results/calibration/).  The fitted maps ship in ``specdraft/weights/calibration.json``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CALIBRATION_FILE = Path(__file__).resolve().parents[1] / "weights" / "calibration.json"
+
+
+@dataclass
+class Calibration:
+    """raw score -> probability of acceptance: linear between knots (xs ascending, ys non-decreasing),
+    flat past the ends.  No knots: the identity (the raw score taken at its word)."""
+
+    xs: list[float] = field(default_factory=list)
+    ys: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if len(self.xs) != len(self.ys):
+            raise ValueError("a calibration needs as many ys as xs")
+        if any(b < a for a, b in zip(self.xs, self.xs[1:])) or any(b < a for a, b in zip(self.ys, self.ys[1:])):
+            raise ValueError("a calibration's knots must be non-decreasing in x and y")
+
+    def __call__(self, raw: float) -> float:
+        xs, ys = self.xs, self.ys
+        if not xs:
+            return min(max(raw, 0.0), 1.0)
+        if raw <= xs[0]:
+            return ys[0]
+        if raw >= xs[-1]:
+            return ys[-1]
+        i = bisect.bisect_right(xs, raw)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 if x1 == x0 else y0 + (y1 - y0) * (raw - x0) / (x1 - x0)
+
+    def to_json(self) -> dict:
+        return {"xs": self.xs, "ys": self.ys}
+
+
+def fit(scores: list[float], accepted: list[bool], bins: int = 20) -> Calibration:
+    """A monotone map from ``scores`` to the observed acceptance: the scores in ``bins`` equal-count
+    bins, each bin's acceptance rate made non-decreasing by pool-adjacent-violators, one knot per
+    pooled bin at its mean score."""
+    pairs = sorted(zip(scores, accepted))
+    if not pairs:
+        return Calibration()
+    size = max(1, len(pairs) // bins)
+    blocks = []  # [sum score, sum accepted, count]
+    for i in range(0, len(pairs), size):
+        chunk = pairs[i:i + size]
+        blocks.append([sum(s for s, _ in chunk), float(sum(a for _, a in chunk)), len(chunk)])
+        while len(blocks) > 1 and blocks[-2][1] / blocks[-2][2] >= blocks[-1][1] / blocks[-1][2]:
+            s, a, n = blocks.pop()
+            blocks[-1] = [blocks[-1][0] + s, blocks[-1][1] + a, blocks[-1][2] + n]
+    return Calibration([b[0] / b[2] for b in blocks], [b[1] / b[2] for b in blocks])
+
+
+def load_calibrations(path: Path = CALIBRATION_FILE) -> dict:
+    """The shipped file: {drafter name: {"target": weight hash, ...maps}}; {} when absent or torn."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def calibration_for(name: str, target=None, key: str = "map") -> Calibration:
+    """Drafter ``name``'s fitted map ``key`` for ``target`` (its weight hash must match where the entry
+    names one); the identity when none was fitted."""
+    entry = load_calibrations().get(name, {})
+    want = entry.get("target")
+    if want and target is not None and want != getattr(target, "weight_hash", None):
+        return Calibration()
+    m = entry.get(key)
+    return Calibration(m["xs"], m["ys"]) if m else Calibration()
+
+
+def with_scores(tree, raw: list[float], calibration: Calibration | None, log: bool = False):
+    """``tree`` carrying each node's calibrated probability ``calibration(raw[i])`` (``log``: raw holds log
+    scores, exponentiated first; raw[0], the root's, is ignored); as proposed without a calibration."""
+    if calibration is None or len(tree) == 1:
+        return tree
+    return tree.with_probs([1.0] + [calibration(math.exp(r) if log else r) for r in raw[1:]])

@@ -2,14 +2,15 @@
 reliability diagrams.
 
 Greedy outputs of training-source prompts that no drafter was trained on (gsm_symbolic and reasoning-gym
-tasks with seeds the training never used, reasoning-gym's code problems from the end of the shuffled list
-the training took its rows from the start of) are replayed (``specdraft.replay.simulate``) with a wide tree;
+tasks with seeds the training never used, chat instructions the target writes itself from its chat
+template's user prefix with an unused sampling seed, reasoning-gym's code problems from the end of the
+shuffled list the training took its rows from the start of) are replayed (``specdraft.replay.simulate``) with a wide tree;
 every drafted node is a (score, accepted) pair: accepted when the target's greedy continuation passes
 through it.  Fitted: the lookup's acceptance table (``drafters.ngram.lookup_key``), then the phrase
 drafter's and each model drafter's monotone map from raw score to acceptance.  With ``--check FILE.jsonl``
 the fitted maps' reliability is also measured on those prompts (not used for fitting).
 
-    python scripts/calibrate.py --prompts 36 --max-new 128 --out docs/results/calibration \
+    python scripts/calibrate.py --prompts 48 --max-new 128 --out docs/results/calibration \
         [--drafters ngram,phrase,gumiho] [--check docs/prompts/fresh_chat.jsonl ...] [--write]
 """
 
@@ -32,15 +33,18 @@ from specdraft.replay import greedy_outputs, sequence_hidden, simulate
 from specdraft.datasets import load_prompts
 from specdraft.model.load import cache_dir
 from specdraft.target import Target
-from specdraft.train.prompts import REASONING_TASKS, TRAIN_SEED_BASE, _rg_prompts
+from specdraft.train.prompts import REASONING_TASKS, TRAIN_SEED_BASE, _rg_prompts, magpie_prompts
 
 SEED = TRAIN_SEED_BASE + 5_000  # seeds the training prompts never used
 PRIOR = 2.0  # pseudo-counts pulling a sparse lookup cell towards its depth's pooled rate
 
 
-def calibration_prompts(n: int) -> list[str]:
-    third = n // 3
+def calibration_prompts(n: int, target) -> list[str]:
+    """n // 4 each of gsm_symbolic, reasoning-gym tasks, chat instructions the target writes itself (Magpie, an
+    unused seed) and code problems."""
+    third = n // 4
     out = _rg_prompts("gsm_symbolic", third, SEED)
+    out += [p.text for p in magpie_prompts(target, third, seed=SEED, quiet=True)]
     rg = []
     for i, task in enumerate(REASONING_TASKS[:6]):
         try:
@@ -52,7 +56,7 @@ def calibration_prompts(n: int) -> list[str]:
     with gzip.open(Path(spec.submodule_search_locations[0]) / "data" / "codeio.jsonl.gz", "rt") as f:
         rows = [json.loads(line) for line in f if line.strip()]
     random.Random(TRAIN_SEED_BASE).shuffle(rows)  # the training's order: it takes rows from the start
-    out += [f"Write a Python function `main_solution` for this task.\n\n{r['task_description']}" for r in rows[-(n - 2 * third):]]
+    out += [f"Write a Python function `main_solution` for this task.\n\n{r['task_description']}" for r in rows[-(n - 3 * third):]]
     return out
 
 
@@ -131,7 +135,7 @@ def reliability(scores, acc, cal: Calibration, bins: int = 10) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--prompts", type=int, default=36)
+    ap.add_argument("--prompts", type=int, default=48)
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--budget", type=int, default=16)
     ap.add_argument("--drafters", default="ngram,phrase")
@@ -143,7 +147,7 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     target = Target.load()
-    cal_texts = calibration_prompts(a.prompts)
+    cal_texts = calibration_prompts(a.prompts, target)
     cal_ids = [target.encode_prompt(t) for t in cal_texts]
     cache = cache_dir() / "calibration"  # the greedy outputs (regenerated when the prompts or target change)
     cal_out = greedy_outputs(target, cal_ids, a.max_new, cache=cache / "greedy_calibration.json", quiet=False)
@@ -169,11 +173,11 @@ def main() -> None:
             inner.calibration = Calibration()  # raw scores out
             if getattr(inner, "ngram", None) is not None and "ngram" in fitted:
                 inner.ngram.table = fitted["ngram"]["table"]
-            scores, acc = pairs_of(replay(target, d, cal_ids, cal_out, a.budget))
+        scores, acc = pairs_of(replay(target, d, cal_ids, cal_out, a.budget))
+        if name != "ngram":
             cal = fit(scores, acc)
             fitted[name] = {"target": target.weight_hash, "map": cal.to_json()}
         rep = report["drafters"].setdefault(name, {})
-        scores, acc = pairs_of(replay(target, d, cal_ids, cal_out, a.budget))
         rep["calibration_set"] = reliability(scores, acc, cal)
         if name != "ngram":
             rep["raw"] = reliability(scores, acc, Calibration())

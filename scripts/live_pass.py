@@ -30,27 +30,28 @@ G = importlib.import_module("specdraft.generate")
 
 
 class Probe:
-    """Wraps the loop's calls; each pass's part times go to ``passes`` ({part: s, "rows": n})."""
+    """Wraps the loop's calls; each pass's part times go to ``passes`` ({part: s, "rows": n}).  A pass starts at
+    the first propose or forward after the previous pass's forward (a paused drafter does not propose)."""
 
     def __init__(self, target, drafter) -> None:
         self.passes: list[dict] = []
         self.cur: dict = {}
         self.t_end = None
-        self._wrap(drafter, "propose", "propose", start=True)
+        self._wrap(drafter, "propose", "propose")
         self._wrap(target, "forward_tree", "forward")
         self._wrap(G, "verify", "verify")
         self._wrap(target, "commit", "commit")
         self._wrap(drafter, "commit", "dcommit")
 
-    def _wrap(self, obj, attr: str, part: str, start: bool = False) -> None:
+    def _wrap(self, obj, attr: str, part: str) -> None:
         fn = getattr(obj, attr)
 
         def wrapper(*a, **k):
             t0 = time.perf_counter()
-            if start:
-                if self.cur and self.t_end is not None:
-                    self.cur["rest"] = t0 - self.t_end - self.cur.get("dcommit", 0.0)
-                    self.passes.append(self.cur)
+            if part in ("propose", "forward") and "forward" in self.cur:
+                if self.t_end is not None:
+                    self.cur["rest"] = max(0.0, t0 - self.t_end - self.cur.get("dcommit", 0.0))
+                self.passes.append(self.cur)
                 self.cur = {}
             try:
                 return fn(*a, **k)
@@ -59,13 +60,13 @@ class Probe:
                 self.cur[part] = self.cur.get(part, 0.0) + t1 - t0
                 if part == "forward":
                     self.cur["rows"] = len(a[0])
-                if part in ("commit", "dcommit"):
-                    self.t_end = t1 if part == "commit" else self.t_end
+                if part == "commit":
+                    self.t_end = t1
 
         setattr(obj, attr, wrapper)
 
     def flush(self) -> None:
-        if self.cur and "rest" not in self.cur and "rows" in self.cur:
+        if "forward" in self.cur:
             self.passes.append(self.cur)
         self.cur, self.t_end = {}, None
 

@@ -19,12 +19,13 @@ from specdraft.bench.chimeras import ChimeraConfig, chimera_report, format_summa
 from specdraft.bench.cost import PEER_PASSES, PREFILL_LENGTHS, measure_cost_curve, measure_prefill
 from specdraft.bench.coverage import coverage_report
 from specdraft.bench.llamacpp import find_binaries, pass_costs, target_gguf, with_working_repack
-from specdraft.bench.report import format_cost_table, format_decomposition, format_table, write_report
+from specdraft.bench.report import (format_cost_table, format_decomposition, format_live_passes, format_table,
+                                    write_report)
 from specdraft.bench.runner import plot_cost_curve, run_bench
 from specdraft.bench.stats import format_comparison
 from specdraft.chat import ChatSession, run_chat
 from specdraft.drafters.budget import load_cost_curve, save_cost_curve
-from specdraft.drafters.registry import DRAFTERS, drafters_table
+from specdraft.drafters.registry import AUTO, DEFAULT_DRAFTER, DRAFTERS, FALLBACK_DRAFTER, drafters_table
 from specdraft.engine import Engine
 from specdraft.errors import SpecdraftError
 from specdraft.generate import GenerateConfig
@@ -80,6 +81,10 @@ def _layers(text: str) -> tuple[int, ...]:
         raise SpecdraftError(f"--layers must be comma-separated integers (got {text!r})") from None
 
 
+AUTO_HELP = (f" (default: {AUTO} = {DEFAULT_DRAFTER} where its shipped weights fit the target, else "
+             f"{FALLBACK_DRAFTER})")
+
+
 def _engine(args, drafter: str = "none", budget: int | None = None) -> Engine:
     """The target of ``--target/--device/--dtype`` with ``drafter``: every command loads through here."""
     return Engine.load(args.target, drafter, device=args.device, dtype=args.dtype, budget=budget,
@@ -122,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", nargs="?", help="the prompt (or use --file)")
     g.add_argument("--file", help="read the prompt from this file ('-' = stdin)")
     _add_target_args(g)
-    g.add_argument("--drafter", default="ngram", help=DRAFTER_HELP + " (default: ngram)")
+    g.add_argument("--drafter", default=AUTO, help=DRAFTER_HELP + AUTO_HELP)
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--temperature", type=_finite, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=_finite, default=1.0)
@@ -291,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat/completions, completions, models, health)")
     _add_target_args(sv)
-    sv.add_argument("--drafter", default="ngram", help=DRAFTER_HELP + " (default: ngram)")
+    sv.add_argument("--drafter", default=AUTO, help=DRAFTER_HELP + AUTO_HELP)
     sv.add_argument("--budget", type=int, default=None, help="drafted nodes per tree (default: the drafter's)")
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     sv.add_argument("--api-key", default=os.environ.get("SPECDRAFT_API_KEY") or None,
@@ -309,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("chat", help="interactive terminal chat (streams replies, live tok/s and tokens per pass)")
     _add_target_args(c)
-    c.add_argument("--drafter", default="ngram", help=DRAFTER_HELP + " (default: ngram)")
+    c.add_argument("--drafter", default=AUTO, help=DRAFTER_HELP + AUTO_HELP)
     c.add_argument("--budget", type=int, default=None)
     c.add_argument("--max-new-tokens", type=int, default=512)
     c.add_argument("--temperature", type=_finite, default=0.0, help="0 = greedy (default)")
@@ -456,6 +461,9 @@ def cmd_bench(args) -> None:
     if dec:
         print("\nspeed-up ~ tokens/pass / (live pass ratio + drafting share); curve: the stored cost curve's ratio "
               "for the same passes\n" + dec)
+    live = format_live_passes(res)
+    if live:
+        print("\nlive passes (moving average over the run) against the stored cost curve\n" + live)
     print(f"wrote {Path(args.out) / 'results.json'} and {Path(args.out) / 'speedup.png'}", file=sys.stderr)
     if args.report:
         print(f"wrote {write_report(args.out)}", file=sys.stderr)

@@ -267,6 +267,8 @@ def generate(
         drafting = costs is None or costs.drafting_pays(drafter.name)
         if drafting:
             catch_up(drafter, deferred)
+        if costs is not None and isinstance(getattr(drafter, "floor", None), float):
+            drafter.floor = costs.floor(drafter.name)  # serial drafters stop where no path can pay
         t1 = time.perf_counter()
         tree = drafter.propose(budget) if drafting else Tree.single(root)
         t2 = time.perf_counter()

@@ -52,6 +52,7 @@ def test_cut_keeps_the_nodes_that_pay():
     flat = Tree.from_paths(1, [[2], [3]]).with_probs([1, 0.1, 0.05])
     assert costs.cut(flat, "e").tokens == [1]  # nothing confident: a plain step
     assert costs.cut(Tree.from_paths(1, [[2]]), "e").tokens == [1, 2]  # no probabilities: as proposed
+    assert abs(costs.floor("e") - 0.2) < 1e-9  # (12 - 10) / 10: a node under p = 0.2 never pays here
 
 
 def test_live_costs_follow_the_passes():
@@ -74,8 +75,9 @@ def test_drafting_pauses_where_it_does_not_pay_and_probes():
     for _ in range(SEEN):  # drafted steps of 1 token for 10 + 5 ms against a 10 ms plain pass
         assert costs.drafting_pays("d")
         costs.observe("d", 1, 10.0, 5.0, 0.0, 1, True)
-    answers = [costs.drafting_pays("d") for _ in range(2 * PROBE)]
-    assert answers.count(True) == 2 and answers[PROBE - 1]  # one probe in PROBE steps
+    answers = [costs.drafting_pays("d") for _ in range(7 * PROBE)]
+    probes = [i for i, a in enumerate(answers) if a]
+    assert probes == [PROBE - 1, 3 * PROBE - 1, 7 * PROBE - 1]  # probes after PROBE, 2 PROBE, 4 PROBE steps
     for _ in range(200):  # drafting pays again: 3 tokens a step
         costs.observe("d", 3, 14.0, 1.0, 0.0, 3, True)
     assert costs.drafting_pays("d") and costs.drafting_pays("d")
@@ -95,3 +97,9 @@ def test_calibration_fit_and_scores():
     assert with_scores(tree, [0.0, -0.1, -0.5], None) is tree
     scored = with_scores(tree, [0.0, -0.1, -0.5], Calibration(), log=True)
     assert [round(p, 4) for p in scored.probs] == [1.0, 0.9048, 0.6065]
+
+
+def test_auto_is_phrase_where_its_weights_fit_else_ngram(tiny_llama, default_target):
+    assert make_drafter("auto", default_target).name == "phrase"
+    assert make_drafter("auto", tiny_llama[1]).name == "ngram"  # phrase's weights refuse another target
+    assert make_drafter("auto", tiny_llama[1], budget=3).default_budget == 3

@@ -577,6 +577,10 @@ def test_scored_trees_cut_and_paused_drafting_stay_exact(tiny_llama, monkeypatch
     tree = d.propose(6)
     assert tree.probs and all(0.0 <= p <= 1.0 for p in tree.probs)
     assert all(tree.probs[i] <= tree.probs[tree.parents[i]] for i in range(1, len(tree)))
+    d.floor = 0.999  # no path can pay: the serial steps stop after the first depth (Medusa has none)
+    assert max(d.propose(6).depths) <= (1 if CONFIGS[kind][0] > 0 else len(tree))
+    d.floor = 0.0
+    assert d.propose(6).tokens == tree.tokens
     costs = LiveCosts({"n": list(range(1, 17)), "ms": [1.0 + 0.05 * n for n in range(1, 17)]})
     rng = random.Random(0)
     monkeypatch.setattr(gen_module, "live_costs", lambda t: costs)

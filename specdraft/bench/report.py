@@ -351,6 +351,11 @@ def write_report(out_dir: str | Path) -> Path:
                 md += ["## Where each speed-up comes from", "", "speed-up ~ tokens per pass / (live pass ratio + "
                        "drafting share); the curve's ratio is what the stored cost curve says the same passes cost.",
                        "", dec, ""]
+            live = format_live_passes(results)
+            if live:
+                md += ["## Live passes against the cost curve", "", "Every pass of the run's drafted methods, by "
+                       "its rows: the live policy's moving average (the run's later passes weigh most) beside the "
+                       "stored curve.", "", live, ""]
             plot_results(results, out / "speedup.png")
             md += ["![speedup per dataset per method](speedup.png)", ""]
         except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
@@ -507,6 +512,22 @@ def format_decomposition(res: dict) -> str:
         rpp = "-" if r["rows_per_pass"] is None else f"{r['rows_per_pass']:.2f}"
         lines.append(f"| {r['dataset']} | {r['method']} | {r['tokens_per_pass']:.2f} | {rpp} | "
                      f"{r['pass_ratio_live']:.2f} / {curve} | {r['drafting_share']:.0%} | {r['speedup_decoding']:.2f}x |")
+    return "\n".join(lines)
+
+
+def format_live_passes(res: dict) -> str:
+    """Per row count: the passes the live policy timed over the run, their moving-average ms and the stored
+    curve's ms, relative to one row each ("" without them)."""
+    live = res.get("live_costs")
+    if not live:
+        return ""
+    one_live = live["live_ms"][0] if live["rows"][0] == 1 else None
+    one_curve = live["curve_ms"][0] if live["rows"][0] == 1 else None
+    lines = ["| rows in the pass | passes | live ms (ratio) | curve ms (ratio) | live / curve |", "|---|---|---|---|---|"]
+    for n, c, lm, cm in zip(live["rows"], live["passes"], live["live_ms"], live["curve_ms"]):
+        lr = f" ({lm / one_live:.2f}x)" if one_live else ""
+        cr = f" ({cm / one_curve:.2f}x)" if one_curve else ""
+        lines.append(f"| {n} | {c} | {lm:.2f}{lr} | {cm:.2f}{cr} | {lm / cm:.2f} |")
     return "\n".join(lines)
 
 

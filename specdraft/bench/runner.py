@@ -31,7 +31,7 @@ from specdraft.bench.hf import build_hf_model, hf_generate
 from specdraft.bench.llamacpp import LlamaServer, find_binaries, ngram_args, target_gguf, with_working_repack
 from specdraft.datasets import load_prompts
 from specdraft.drafters import make_drafter
-from specdraft.drafters.budget import load_cost_curve
+from specdraft.drafters.budget import live_costs, load_cost_curve
 from specdraft.engine import Engine
 from specdraft.errors import SpecdraftError
 from specdraft.generate import GenerateConfig
@@ -161,6 +161,7 @@ def run_bench(
                 got = {m: run(m, ids) for m in order}
                 rows.extend(_rows(i, got, methods, base, greedy, ids, hf_model, eos0))
             results["datasets"][ds] = {"methods": summarize(rows, methods, base), "rows": rows}
+        results["live_costs"] = _live_of(target)
     finally:
         for srv in servers.values():
             srv.__exit__(None, None, None)
@@ -175,6 +176,17 @@ def _curve_of(target) -> dict | None:
     """The stored cost curve the budget policy starts from ({"n", "ms"}), None without one."""
     curve = load_cost_curve(target)
     return None if curve is None else {"n": curve["n"], "ms": curve["ms"]}
+
+
+def _live_of(target) -> dict | None:
+    """What the live policy measured over the run (``drafters.budget.LiveCosts``): per row count the passes seen
+    and their moving-average ms beside the stored curve's, and each drafter's drafting ms."""
+    costs = live_costs(target)
+    if costs is None or not costs.live:
+        return None
+    rows = sorted(costs.live)
+    return {"rows": rows, "passes": [costs.live[n][1] for n in rows], "live_ms": [costs.live[n][0] for n in rows],
+            "curve_ms": [costs.curve_ms(n) for n in rows], "draft_ms": {d: costs.draft_ms(d) for d in costs.propose}}
 
 
 def _home_relative(path: Path) -> str:

@@ -1,8 +1,9 @@
 """The one budget policy: how many drafted nodes a drafter's tree gets when the user gives none.
 
 On a CPU a pass over N tokens costs more than one token, so the budget must be sized to the
-machine.  ``specdraft bench --cost-curve`` measures the target's pass time for N = 1..64 tokens
-and stores it per target, device, dtype and thread count (``curve_path``).  A drafter then takes:
+machine.  ``specdraft prepare`` (N = 1..32, once) and ``specdraft bench --cost-curve`` (N = 1..64) measure
+the target's pass time for N tokens and store it per target, device, dtype and thread count
+(``curve_path``).  A drafter then takes:
 
 1. with a budget profile in its checkpoint (``acceptance_by_budget``: held-out tokens per pass per
    budget, from ``specdraft train profile``) and a stored cost curve: the budget maximising tokens
@@ -17,7 +18,9 @@ accepted) that budget is only the tree's cap: each pass the tree is cut to the n
 (``LiveCosts.cut``).  Taking nodes best first, k drafted nodes are worth 1 + p_1 + ... + p_k tokens
 for a step of pass(k + 1) + drafting ms; the cut keeps the k with the most tokens per ms, k = 0 (a
 plain step) when nothing is confident enough.  pass(n) and drafting are live: moving averages of
-this process's own passes, started from the stored cost curve.
+this process's own passes, started from the stored cost curve.  A drafter whose drafted steps commit
+fewer tokens per ms than a plain pass pauses, probing now and then (``LiveCosts.drafting_pays``).  The
+batch cuts its sequences' trees together (``LiveCosts.cut_many``).
 """
 
 from __future__ import annotations
@@ -157,9 +160,8 @@ def batch_rows(curve: dict | None, budget: int) -> int:
 EMA = 0.1  # weight of the newest pass in the moving averages
 SEEN = 8  # passes of one size after which its own average replaces the scaled curve
 CLIP = 1.5  # a pass counts as at most this many times the current estimate (a preempted pass is noise, not pace)
-
-
-PROBE = 8  # while drafting does not pay, one pass in this many drafts anyway (to notice when it pays again)
+PROBE = 8  # while drafting does not pay, one pass in this many drafts anyway (to notice when it pays again) ...
+PROBE_MAX = 64  # ... the interval doubling after each probe that finds it still not paying, up to this
 GATE_EMA = 0.03  # weight of the newest drafted step in what drafting gains and costs (~30 steps: one unlucky
 # stretch does not stop it)
 
@@ -180,7 +182,8 @@ class LiveCosts:
         self.propose: dict[str, float] = {}  # drafter name -> average ms of a propose
         self.commit: dict[str, float] = {}  # drafter name -> average ms of its commit
         self.drafted: dict[str, list[float]] = {}  # drafter name -> [average tokens, average ms, steps] of drafted steps
-        self.skipped: dict[str, int] = {}  # drafter name -> steps not drafted in a row
+        self.skipped: dict[str, int] = {}  # drafter name -> steps not drafted since its last drafted step
+        self.interval: dict[str, int] = {}  # drafter name -> steps between probes while drafting does not pay
 
     def curve_ms(self, rows: int) -> float:
         """The stored curve at ``rows`` (past its end: along its last two points)."""
@@ -225,13 +228,26 @@ class LiveCosts:
 
     def drafting_pays(self, drafter: str) -> bool:
         """Whether to draft this step: until ``SEEN`` drafted steps are measured, yes; then while a drafted step
-        commits more tokens per ms (its average) than a plain pass would, and else one step in ``PROBE``."""
+        commits more tokens per ms (its average) than a plain pass would.  While it does not, one step in
+        ``PROBE`` drafts anyway, the interval doubling after each probe that leaves it so (up to ``PROBE_MAX``):
+        a drafter that keeps not paying costs ever less (its catch-up grows rarer and cheaper per token)."""
         d = self.drafted.get(drafter)
         if d is None or d[2] < SEEN or d[0] / d[1] > 1.0 / self.pass_ms(1)[0]:
-            self.skipped[drafter] = 0
+            self.skipped[drafter], self.interval[drafter] = 0, PROBE
             return True
         self.skipped[drafter] = self.skipped.get(drafter, 0) + 1
-        return self.skipped[drafter] % PROBE == 0
+        every = self.interval.get(drafter, PROBE)
+        if self.skipped[drafter] < every:
+            return False
+        self.skipped[drafter], self.interval[drafter] = 0, min(2 * every, PROBE_MAX)
+        return True
+
+    def floor(self, drafter: str) -> float:
+        """The probability below which no node pays for its row now: even as the only node, one with p adds p
+        tokens for pass(2) - pass(1) more ms, which pays only if p > (pass(2) - pass(1)) / (pass(1) + drafting);
+        deeper nodes face a higher rate.  Serial drafters stop drafting deeper where no path reaches it."""
+        one, two = self.pass_ms(2)
+        return (two - one) / (one + self.draft_ms(drafter))
 
     def cut(self, tree, drafter: str):
         """``tree`` (with ``probs``) cut to the k best nodes maximising (1 + their probabilities) /

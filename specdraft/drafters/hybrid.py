@@ -25,6 +25,7 @@ plus the root (``build_beam_tree``).  Training: ``specdraft.train.hybrid``.
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -144,6 +145,8 @@ class HybridDrafter(TrainedDrafter):
                  manifest: dict | None = None) -> None:
         super().__init__(model, options or HybridOptions(), name or model.cfg.kind, manifest, model.cfg.serial_layers)
         self.state: Tensor | None = None  # [H]: h^1 (S > 0) or g(f_{n-1}) (S = 0)
+        self.floor = 0.0  # set by the loop each pass (LiveCosts.floor): the probability below which a node cannot pay
+        # for its row on this machine now; the serial steps stop where no path reaches it
 
     # ------------------------------------------------------------------ protocol
     def _features(self, out: ForwardOutput, rows) -> Tensor:
@@ -221,6 +224,8 @@ class HybridDrafter(TrainedDrafter):
         blocks: list[int] = []  # per step >= 2: its rows, whose K/V sit in the cache after the committed slots
         self.cache.reserve(self.n + width * max_depth, self.n, m.head_w)
         for s in range(2, min(cfg.serial, max_depth) + 1):
+            if self._hopeless(cums):
+                return levels  # no deeper node can pay for its row: stop drafting here
             beam = list(range(min(width, len(lv.tokens))))  # levels are sorted best first
             nb = len(beam)
             # mask: every committed slot, the beam's own ancestors in earlier step blocks, itself
@@ -242,13 +247,20 @@ class HybridDrafter(TrainedDrafter):
             states = [states[beam[p]] + [h[0, p]] for p in lv.parents]
             rows = [rows[beam[p]] + [p] for p in lv.parents]
             levels.append(lv)
-        if max_depth > cfg.serial:  # parallel heads on the best depth-S paths
+        if max_depth > cfg.serial and not self._hopeless(cums):  # parallel heads on the best depth-S paths
             beam = list(range(min(width, len(lv.tokens))))
             x = torch.cat([torch.stack([torch.cat(states[b]) for b in beam]), m.embed[[lv.tokens[b] for b in beam]]], -1)
             toks, lps = self._topk(m.head_states(x, max_depth - cfg.serial), k)  # [beams][heads][k]
             par = parallel_levels([cums[b] for b in beam], toks, lps, budget)
             levels += par  # the first parallel level's parents are beam rows = indices in the depth-S level
         return levels
+
+    def _hopeless(self, cums: list[float]) -> bool:
+        """Whether the best path so far (cumulative log-probabilities ``cums``) is, calibrated, below ``floor``:
+        its descendants score no higher, so none would be kept."""
+        if self.floor <= 0.0 or self.calibration is None or not cums:
+            return False
+        return self.calibration(math.exp(max(cums))) < self.floor
 
     def propose(self, budget: int) -> Tree:
         if budget <= 0:

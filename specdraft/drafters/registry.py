@@ -159,9 +159,19 @@ def option_defaults(cls: type) -> str:
     return ", ".join(f"{f.name}={shown(f.default)}" for f in fields(cls) if f.default is not MISSING) or "-"
 
 
+AUTO = "auto"  # the commands' default drafter: DEFAULT_DRAFTER where its shipped weights fit the target, else FALLBACK
+DEFAULT_DRAFTER = "phrase"  # the fastest on fresh prompts (docs/benchmarks.md, "Fresh prompts")
+FALLBACK_DRAFTER = "ngram"  # training-free: fits any target
+
+
 def make_drafter(spec: str, target=None, budget: int | None = None) -> Drafter:
-    """Build the drafter ``spec`` (``NAME[@key=value,...]``, NAME registered or a checkpoint path) for
-    ``target``; ``budget``: drafted nodes per tree (None = the budget policy's choice)."""
+    """Build the drafter ``spec`` (``NAME[@key=value,...]``, NAME registered or a checkpoint path, or ``auto``)
+    for ``target``; ``budget``: drafted nodes per tree (None = the budget policy's choice)."""
+    if spec == AUTO:
+        try:
+            return make_drafter(DEFAULT_DRAFTER, target, budget)
+        except SpecdraftError:  # another target (or no weights in this install): prompt lookup fits any
+            return make_drafter(FALLBACK_DRAFTER, target, budget)
     name, raw = parse_spec(spec)
     if "budget" in raw:  # NAME@budget=N: this drafter's node budget (any drafter)
         value = raw.pop("budget")

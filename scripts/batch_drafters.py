@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--static", action="store_true", help="also batch with the trees as proposed (no live cut)")
     ap.add_argument("--plot", default=None, help="draw the tok/s bars to this PNG")
     ap.add_argument("--from", dest="source", default=None, help="redraw the plot of an earlier --json-out; measure nothing")
     args = ap.parse_args(argv)
@@ -80,18 +81,25 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         alone = [engine.generate(p, cfg) for p in ids]
         seq_s = time.perf_counter() - t0
-        b = Batcher(engine, max_batch=args.max_batch)
-        pending, done, passes = list(ids), [], 0
-        while pending and len(b.live) < b.max_batch:
-            b.add(pending.pop(0), cfg)
-        t0 = time.perf_counter()
-        while b.live:
-            for s in b.step():
-                done.append(s)
-                if pending:
-                    b.add(pending.pop(0), cfg)
-            passes += 1
-        bat_s = time.perf_counter() - t0
+        def batched(dynamic: bool):
+            b = Batcher(engine, max_batch=args.max_batch, dynamic=dynamic)
+            pending, done, passes = list(ids), [], 0
+            while pending and len(b.live) < b.max_batch:
+                b.add(pending.pop(0), cfg)
+            t0 = time.perf_counter()
+            while b.live:
+                for s in b.step():
+                    done.append(s)
+                    if pending:
+                        b.add(pending.pop(0), cfg)
+                passes += 1
+            return b, done, passes, time.perf_counter() - t0
+
+        static_s = None
+        if args.static:  # the trees as proposed, for comparison (same requests, same order)
+            _, done_static, _, static_s = batched(False)
+            assert all(s.result is not None for s in done_static)
+        b, done, passes, bat_s = batched(True)
         by_prompt = {tuple(s.prompt_ids): s.result for s in done}
         tokens = sum(len(r.token_ids) for r in alone)
         draft_s = sum(r.stats.draft_s for r in by_prompt.values())
@@ -103,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
                "batched_tokens_per_pass": sum(r.stats.committed for r in by_prompt.values())
                / max(1, sum(r.stats.passes for r in by_prompt.values())),
                "draft_ms_per_sequence_pass": 1000 * draft_s / max(1, sum(r.stats.passes for r in by_prompt.values())),
-               "batched_ms_per_pass": 1000 * bat_s / passes}
+               "batched_ms_per_pass": 1000 * bat_s / passes,
+               "batched_static_tok_s": tokens / static_s if static_s else None}
         rows.append(row)
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), file=sys.stderr)
     out = {"target": target.name, "requests": args.requests, "max_batch": args.max_batch, "max_tokens": args.max_tokens,

@@ -193,7 +193,7 @@ def make_drafter(spec: str, target=None, budget: int | None = None) -> Drafter:
     elif name in REGISTRY:
         entry = REGISTRY[name]
     else:
-        raise SpecdraftError(f"unknown drafter {name!r} (available: {', '.join(DRAFTERS)}, or a checkpoint path)")
+        raise SpecdraftError(f"unknown drafter {name!r} (available: {', '.join(DRAFTERS)}, {AUTO}, or a checkpoint path)")
     options = parse_options(shown, entry.options, raw)
     ckpt = None
     if entry.kind:

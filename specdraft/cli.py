@@ -463,7 +463,7 @@ def cmd_bench(args) -> None:
               "for the same passes\n" + dec)
     live = format_live_passes(res)
     if live:
-        print("\nlive passes (moving average over the run) against the stored cost curve\n" + live)
+        print("\nlive passes over the run against the stored cost curve\n" + live)
     print(f"wrote {Path(args.out) / 'results.json'} and {Path(args.out) / 'speedup.png'}", file=sys.stderr)
     if args.report:
         print(f"wrote {write_report(args.out)}", file=sys.stderr)

@@ -210,3 +210,21 @@ def test_the_table_shows_drafting_time_and_its_share_of_a_plain_step():
     greedy = next(line for line in table.splitlines() if "| gsm | greedy |" in line)
     assert "| 1.00 | - |" in greedy  # the baseline drafts nothing
     assert "| - | - |" in next(line for line in table.splitlines() if "| gsm | hf_generate |" in line)
+
+
+def test_live_passes_table_from_the_policys_timings():
+    from specdraft.bench.report import format_live_passes
+    from specdraft.drafters.budget import LiveCosts
+
+    costs = LiveCosts({"n": [1, 2, 3], "ms": [10.0, 12.0, 14.0]})
+    for ms in (10.0, 10.0, 13.0):
+        costs.observe_pass(1, ms)
+    costs.observe_pass(2, 18.0)
+    assert costs.totals == {1: [33.0, 3], 2: [18.0, 1]}  # as measured, never clipped
+    live = {"rows": [1, 2], "passes": [3, 1], "live_ms": [10.3, 18.0], "mean_ms": [11.0, 18.0], "curve_ms": [10.0, 12.0]}
+    table = format_live_passes({"live_costs": live})
+    assert "| 1 | 3 | 11.00 (1.00x) | 10.00 (1.00x) | 1.10 |" in table
+    assert "| 2 | 1 | 18.00 (1.64x) | 12.00 (1.20x) | 1.50 |" in table
+    old = format_live_passes({"live_costs": {k: v for k, v in live.items() if k != "mean_ms"}})
+    assert "moving average" in old and "| 1 | 3 | 10.30" in old
+    assert format_live_passes({}) == ""

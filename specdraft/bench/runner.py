@@ -179,13 +179,14 @@ def _curve_of(target) -> dict | None:
 
 
 def _live_of(target) -> dict | None:
-    """What the live policy measured over the run (``drafters.budget.LiveCosts``): per row count the passes seen
-    and their moving-average ms beside the stored curve's, and each drafter's drafting ms."""
+    """What the live policy measured over the run (``drafters.budget.LiveCosts``): per row count the passes seen,
+    their mean and moving-average ms beside the stored curve's, and each drafter's drafting ms."""
     costs = live_costs(target)
     if costs is None or not costs.live:
         return None
     rows = sorted(costs.live)
     return {"rows": rows, "passes": [costs.live[n][1] for n in rows], "live_ms": [costs.live[n][0] for n in rows],
+            "mean_ms": [costs.totals[n][0] / costs.totals[n][1] for n in rows],
             "curve_ms": [costs.curve_ms(n) for n in rows], "draft_ms": {d: costs.draft_ms(d) for d in costs.propose}}
 
 

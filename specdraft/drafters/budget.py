@@ -179,6 +179,7 @@ class LiveCosts:
         self.top = max(self.curve)
         self.scale = 1.0  # live / curve, averaged over passes
         self.live: dict[int, tuple[float, int]] = {}  # rows -> (average ms, passes seen)
+        self.totals: dict[int, list[float]] = {}  # rows -> [sum of the passes' ms as measured, passes]: their mean
         self.propose: dict[str, float] = {}  # drafter name -> average ms of a propose
         self.commit: dict[str, float] = {}  # drafter name -> average ms of its commit
         self.drafted: dict[str, list[float]] = {}  # drafter name -> [average tokens, average ms, steps] of drafted steps
@@ -220,6 +221,9 @@ class LiveCosts:
 
     def observe_pass(self, rows: int, pass_ms: float) -> float:
         """A target pass over ``rows`` rows took ``pass_ms``; returns it as counted (clipped)."""
+        total = self.totals.setdefault(rows, [0.0, 0])
+        total[0] += pass_ms
+        total[1] += 1
         avg, seen = self.live.get(rows, (pass_ms, 0))
         pass_ms = min(pass_ms, CLIP * avg)
         self.live[rows] = (avg + EMA * (pass_ms - avg), seen + 1)

@@ -103,3 +103,13 @@ def test_auto_is_phrase_where_its_weights_fit_else_ngram(tiny_llama, default_tar
     assert make_drafter("auto", default_target).name == "phrase"
     assert make_drafter("auto", tiny_llama[1]).name == "ngram"  # phrase's weights refuse another target
     assert make_drafter("auto", tiny_llama[1], budget=3).default_budget == 3
+
+
+def test_shipped_maps_calibrate_the_shipped_weights_only(default_target):
+    """The fitted maps describe the shipped weights: the same weights by path (a user's checkpoint) score raw."""
+    from specdraft.drafters.registry import weights_path
+
+    assert make_drafter("phrase", default_target).calibration.xs
+    assert make_drafter(str(weights_path("phrase")), default_target).calibration.xs == []
+    assert make_drafter("mfd", default_target).calibration.xs
+    assert make_drafter(str(weights_path("mfd")), default_target).calibration.xs == []

@@ -125,4 +125,5 @@ def load_phrase(target, ckpt: DraftCheckpoint, options: PhraseOptions, name: str
         quantize_linears(model)
     embed = target.model.embed
     rows = embed if isinstance(embed, BlockTable) else embed.weight.detach()  # a row at a time: no fp32 table
-    return PhraseDrafter(model, ckpt.vocab, rows, options, ckpt.manifest, calibration_for("phrase", target))
+    cal = calibration_for("phrase", target) if name else Calibration()  # a checkpoint path: its raw probabilities
+    return PhraseDrafter(model, ckpt.vocab, rows, options, ckpt.manifest, cal)

@@ -22,7 +22,7 @@ from typing import Callable, get_type_hints
 from specdraft.drafters.base import Drafter, NoDrafter
 from specdraft.drafters.block import BlockDrafter, BlockOptions, load_block
 from specdraft.drafters.budget import default_budget
-from specdraft.drafters.calibration import calibration_for
+from specdraft.drafters.calibration import Calibration, calibration_for
 from specdraft.drafters.combine import WithNgram
 from specdraft.drafters.hybrid import HybridDrafter, HybridOptions, load_hybrid
 from specdraft.drafters.ngram import NgramDrafter
@@ -206,8 +206,8 @@ def make_drafter(spec: str, target=None, budget: int | None = None) -> Drafter:
                                      f"with `{entry.train.format(path=path)}` or pass a checkpoint path as --drafter")
         ckpt = load_draft_model(target, path, entry.kind, any_target=any_target == "1")
     drafter = entry.build(target, ckpt, options, name if name in REGISTRY else None)  # a checkpoint names itself
-    if entry.kind in ("hybrid", "block", "eagle3"):  # node probabilities: the fitted map where one ships, else raw
-        drafter.calibration = calibration_for(name if name in REGISTRY else shown, target)
+    if entry.kind in ("hybrid", "block", "eagle3"):  # node probabilities: the shipped weights' fitted map; raw
+        drafter.calibration = calibration_for(name, target) if name in REGISTRY else Calibration()  # for a path
     if entry.lookup and options.ngram > 0:
         drafter = WithNgram(drafter, options.ngram)
     if entry.fallback_budget == 0:

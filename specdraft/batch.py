@@ -287,7 +287,7 @@ class Batcher:
                 segments.append(_Segment(s, rows, s.prompt_ids[s.length:s.length + k], list(range(s.length, s.length + k)),
                                          torch.ones(k, k, dtype=torch.bool).tril(), None))
                 rows += k
-        proposed = []  # (sequence, its tree, its budget)
+        proposed = []  # (sequence, its tree, its drafting s)
         for s in decoding:
             t0 = time.perf_counter()
             try:
@@ -303,8 +303,9 @@ class Batcher:
                 self._leave(s, e)
                 left.append(s)
                 continue
-            s.stats.draft_s += time.perf_counter() - t0
-            proposed.append((s, tree, time.perf_counter() - t0))
+            drafting = time.perf_counter() - t0
+            s.stats.draft_s += drafting
+            proposed.append((s, tree, drafting))
         costs = live_costs(self.target) if self.dynamic else None
         if costs is not None and proposed:  # the scored trees cut together: the nodes that pay for their rows
             cut = costs.cut_many([t for _, t, _ in proposed], 1000 * sum(d for *_, d in proposed), other_rows=rows)

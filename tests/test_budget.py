@@ -113,3 +113,17 @@ def test_shipped_maps_calibrate_the_shipped_weights_only(default_target):
     assert make_drafter(str(weights_path("phrase")), default_target).calibration.xs == []
     assert make_drafter("mfd", default_target).calibration.xs
     assert make_drafter(str(weights_path("mfd")), default_target).calibration.xs == []
+
+
+def test_cost_curve_prepares_each_size_once(tiny_chat_target, monkeypatch):
+    """The exact mode packs its weights per pass size (``Target.prepare``): measuring the curve prepares each
+    size once, its repeats together, not once per round."""
+    from specdraft.bench.cost import measure_cost_curve
+
+    t = tiny_chat_target
+    assert t.precision == "exact"
+    calls = []
+    real = t.prepare
+    monkeypatch.setattr(t, "prepare", lambda budget: calls.append(budget) or real(budget))
+    curve = measure_cost_curve(t, max_n=4, context=8, repeats=3, quiet=True)
+    assert calls == [0, 1, 2, 3] and curve["n"] == [1, 2, 3, 4] and len(curve["ms"]) == 4

@@ -262,8 +262,7 @@ class LiveCosts:
         """The trees of one pass (a batch's sequences; ``other_rows`` more rows share it, e.g. prompt chunks)
         cut together: their nodes best first, the k maximising (L + p_1 + ... + p_k) / (pass(L + other_rows + k)
         + ``draft_ms``) for L trees.  A tree without ``probs`` is kept whole (its nodes counted as rows)."""
-        scored = [t for t in trees if t.probs and len(t) > 1]
-        if not scored:
+        if not any(t.probs and len(t) > 1 for t in trees):
             return trees
         fixed = other_rows + sum(1 if t.probs else len(t) for t in trees)
         order = sorted(((-t.probs[i], j, i) for j, t in enumerate(trees) if t.probs for i in range(1, len(t))))

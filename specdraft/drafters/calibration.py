@@ -12,6 +12,7 @@ docs/results/calibration/).  The fitted maps ship in ``specdraft/weights/calibra
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -69,17 +70,24 @@ def fit(scores: list[float], accepted: list[bool], bins: int = 20) -> Calibratio
 
 
 def load_calibrations(path: Path = CALIBRATION_FILE) -> dict:
-    """The shipped file: {drafter name: {"target": weight hash, ...maps}}; {} when absent or torn."""
+    """A calibration file read now: {drafter name: {"target": weight hash, ...maps}}; {} when absent or torn."""
     try:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return {}
 
 
+@functools.cache
+def shipped_calibrations() -> dict:
+    """The shipped file (``load_calibrations``), read once per process: every drafter built reads it (the lookup
+    table of each ``NgramDrafter``, a phrase's or model drafter's map).  Read-only."""
+    return load_calibrations()
+
+
 def calibration_for(name: str, target=None, key: str = "map") -> Calibration:
     """Drafter ``name``'s fitted map ``key`` for ``target`` (its weight hash must match where the entry
     names one); the identity when none was fitted."""
-    entry = load_calibrations().get(name, {})
+    entry = shipped_calibrations().get(name, {})
     want = entry.get("target")
     if want and target is not None and want != getattr(target, "weight_hash", None):
         return Calibration()

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from specdraft.drafters.calibration import load_calibrations
+from specdraft.drafters.calibration import shipped_calibrations
 from specdraft.model.llama import ForwardOutput
 from specdraft.tree import Tree
 from specdraft.verify import Accepted
@@ -28,7 +28,7 @@ def lookup_key(n: int, rank: int, depth: int) -> str:
 def lookup_table() -> dict[str, float]:
     """Measured acceptance of a lookup node per ``lookup_key`` (``scripts/calibrate.py``); {} when none
     was fitted (then lookup trees carry no probabilities and are used as proposed)."""
-    return load_calibrations().get("ngram", {}).get("table", {})
+    return shipped_calibrations().get("ngram", {}).get("table", {})
 
 
 @dataclass

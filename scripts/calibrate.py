@@ -176,7 +176,7 @@ def main() -> None:
         scores, acc = pairs_of(replay(target, d, cal_ids, cal_out, a.budget))
         if name != "ngram":
             cal = fit(scores, acc)
-            fitted[name] = {"target": target.weight_hash, "map": cal.to_json()}
+            fitted[name] = {"target": target.weight_hash, "model": target.model_hash, "map": cal.to_json()}
         rep = report["drafters"].setdefault(name, {})
         rep["calibration_set"] = reliability(scores, acc, cal)
         if name != "ngram":

@@ -11,6 +11,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from specdraft.bench.acceptance import acceptance_sweep
@@ -27,7 +28,7 @@ from specdraft.chat import ChatSession, run_chat
 from specdraft.drafters.budget import load_cost_curve, save_cost_curve
 from specdraft.drafters.registry import AUTO, DEFAULT_DRAFTER, DRAFTERS, FALLBACK_DRAFTER, drafters_table
 from specdraft.engine import Engine
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, SpecdraftNote
 from specdraft.generate import GenerateConfig
 from specdraft.paths import existing_folder, writable_file, writable_folder
 from specdraft.model.fast import DEFAULT_PRECISION, PRECISIONS, kernel_info
@@ -750,7 +751,21 @@ def _check_paths(args) -> None:
                     existing_folder(d, f"--{flag}")
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Warnings as one line each on stderr: ``note: ...`` (SpecdraftNote) or ``warning: ...``."""
+    kind = "note" if issubclass(category, SpecdraftNote) else "warning"
+    print(f"{kind}: {str(message).removeprefix('specdraft: ')}", file=file or sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
+    shown, warnings.showwarning = warnings.showwarning, _show_warning
+    try:
+        return _run(argv)
+    finally:
+        warnings.showwarning = shown
+
+
+def _run(argv: list[str] | None) -> int:
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help (0) or a usage error (2, already printed)

@@ -11,3 +11,8 @@ class SpecdraftError(Exception):
 
     def __str__(self) -> str:
         return " ".join(part.strip() for part in super().__str__().splitlines() if part.strip())
+
+
+class SpecdraftNote(UserWarning):
+    """Something the user should know that needs nothing done (e.g. a drafter trained on another
+    quantization of the same model): the CLI prints it as one ``note:`` line."""

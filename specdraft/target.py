@@ -38,11 +38,12 @@ def _check_text(text: str, what: str) -> None:
 
 
 class Target:
-    def __init__(self, model: Transformer, tokenizer, name: str, weight_hash: str) -> None:
+    def __init__(self, model: Transformer, tokenizer, name: str, weight_hash: str, model_hash: str | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
-        self.weight_hash = weight_hash
+        self.weight_hash = weight_hash  # sha256 of the weight files: these weights
+        self.model_hash = model_hash  # ``model.load.model_fingerprint``: this model in any quantization (None: unknown)
         self.cache: KVCache | None = None
         self.length = 0  # committed slots in the cache
         self.limit = 0  # slots the sequence may fill (the last prefill's max_slots); the cache grows up to it
@@ -69,7 +70,7 @@ class Target:
                      precision: str | None = DEFAULT_PRECISION) -> "Target":
         """Build from loaded weights (shared with an HF reference model in the benchmark)."""
         model = build_model(w, device=device, dtype=DTYPES[dtype], precision=precision)
-        return cls(model, load_tokenizer(w), w.name, w.weight_hash)
+        return cls(model, load_tokenizer(w), w.name, w.weight_hash, w.model_hash)
 
     @property
     def precision(self) -> str:

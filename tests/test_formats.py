@@ -88,25 +88,65 @@ def test_an_unreadable_block_type_falls_back_to_exact_with_one_warning(tiny_hf_w
     assert len(said) == 1 and "mlp.down_proj" in said[0] and "Q2_K" in said[0], said
 
 
-def test_a_trained_drafter_on_another_quantization_of_its_target(default_target):
-    """The shipped drafters were trained on the default Q4_1 file; the same model requantized (another
-    weight hash) refuses them unless asked with any_target=1 (one warning), and then stays lossless."""
+def test_a_trained_drafter_on_another_quantization_of_its_target(default_target, default_weights, tmp_path):
+    """The shipped drafters were trained on the default Q4_1 file.  The same model requantized (here to Q8_0
+    by the project's writer, its tokenizer copied: another weight hash, the same model fingerprint) loads
+    them with one note and stays lossless; another model (another fingerprint) is refused with a clear
+    error unless asked with any_target=1 (one warning)."""
     import copy
 
     from specdraft.drafters import make_drafter
-    from specdraft.errors import SpecdraftError
+    from specdraft.errors import SpecdraftError, SpecdraftNote
+    from specdraft.model.load import default_gguf_path
+
+    path = tmp_path / "SmolLM2-135M-Instruct.Q8_0.gguf"
+    write_gguf(path, default_weights.config, default_weights.state_dict, lambda n, t: "Q8_0",
+               tokenizer_from=default_gguf_path())
+    requantized = Target.from_weights(load_weights(str(path)))
+    assert requantized.weight_hash != default_target.weight_hash
+    assert requantized.model_hash == default_target.model_hash is not None
+    with pytest.warns(SpecdraftNote, match="same model in another quantization") as said:
+        d = make_drafter("phrase", requantized)
+    assert len(said) == 1
+    assert d.calibration.xs, "the shipped calibration applies to the same model"
+    cfg = GenerateConfig(max_new_tokens=24)
+    for prompt in ("What is 12 * 7?", "Write a Python function that reverses a list."):
+        ids = requantized.encode_prompt(prompt)
+        assert generate(requantized, ids, d, cfg).token_ids == generate(requantized, ids, None, cfg).token_ids
 
     other = copy.copy(default_target)
-    other.weight_hash = "0" * 64
-    with pytest.raises(SpecdraftError, match="train a drafter for this target"):
+    other.weight_hash, other.model_hash = "0" * 64, "1" * 64
+    with pytest.raises(SpecdraftError, match="another model .*train a drafter for this target"):
         make_drafter("phrase", other)
+    assert make_drafter("auto", other).name == "ngram"  # auto falls back to prompt lookup
     with pytest.warns(UserWarning, match="any_target=1"):
         d = make_drafter("phrase@any_target=1", other)
     with pytest.raises(SpecdraftError, match="any_target must be 0 or 1"):
         make_drafter("phrase@any_target=yes", other)
     ids = other.encode_prompt("What is 12 * 7?")
-    cfg = GenerateConfig(max_new_tokens=24)
     assert generate(other, ids, d, cfg).token_ids == generate(other, ids, None, cfg).token_ids
+
+
+def test_the_model_fingerprint_tells_models_apart(tiny_hf_weights, tmp_path):
+    """One model's fingerprint is the same in every block format and differs for another shape or
+    vocabulary; a file without a vocabulary has none."""
+    from specdraft.model.load import default_gguf_path, model_fingerprint
+
+    w = tiny_hf_weights
+    prints = set()
+    for kind in ("Q8_0", "Q4_K"):
+        write_gguf(tmp_path / f"{kind}.gguf", w.config, w.state_dict, lambda n, t, k=kind: k,
+                   tokenizer_from=default_gguf_path())
+        prints.add(load_weights(str(tmp_path / f"{kind}.gguf")).model_hash)
+    assert len(prints) == 1 and None not in prints
+    write_gguf(tmp_path / "none.gguf", w.config, w.state_dict, lambda n, t: "Q8_0")
+    assert load_weights(str(tmp_path / "none.gguf")).model_hash is None
+    tokens = [f"t{i}" for i in range(w.config.vocab_size)]
+    base = model_fingerprint(w.config, tokens)
+    assert model_fingerprint(w.config, tokens[::-1]) != base
+    import dataclasses
+    assert model_fingerprint(dataclasses.replace(w.config, intermediate_size=w.config.intermediate_size * 2), tokens) != base
+    assert model_fingerprint(dataclasses.replace(w.config, max_position=w.config.max_position * 2), tokens) == base
 
 
 @pytest.mark.parametrize("kind", blocks.FORMATS)

@@ -70,7 +70,7 @@ def fit(scores: list[float], accepted: list[bool], bins: int = 20) -> Calibratio
 
 
 def load_calibrations(path: Path = CALIBRATION_FILE) -> dict:
-    """A calibration file read now: {drafter name: {"target": weight hash, ...maps}}; {} when absent or torn."""
+    """A calibration file read now: {drafter name: {"target": weight hash, "model": fingerprint, ...maps}}; {} when absent or torn."""
     try:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
@@ -85,11 +85,13 @@ def shipped_calibrations() -> dict:
 
 
 def calibration_for(name: str, target=None, key: str = "map") -> Calibration:
-    """Drafter ``name``'s fitted map ``key`` for ``target`` (its weight hash must match where the entry
-    names one); the identity when none was fitted."""
+    """Drafter ``name``'s fitted map ``key`` for ``target``: where the entry names the target it was fitted
+    on (its weight hash, its model fingerprint), these weights or another quantization of that model; the
+    identity when none was fitted or the target is another model."""
     entry = shipped_calibrations().get(name, {})
-    want = entry.get("target")
-    if want and target is not None and want != getattr(target, "weight_hash", None):
+    want, model = entry.get("target"), entry.get("model")
+    if want and target is not None and want != getattr(target, "weight_hash", None) and \
+            (model is None or model != getattr(target, "model_hash", None)):
         return Calibration()
     m = entry.get(key)
     return Calibration(m["xs"], m["ys"]) if m else Calibration()

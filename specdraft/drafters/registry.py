@@ -6,8 +6,8 @@ dataclass (which validates them), loads the shipped weights or the checkpoint th
 ``nn.checkpoint.load_draft_model`` (target-fit checks included), builds the drafter, wraps it
 with prompt lookup when ``ngram=N`` asks for it, and sets its node budget by the one budget
 policy (``drafters.budget.default_budget``).  ``NAME@budget=N`` fixes the budget for any drafter;
-``NAME@any_target=1`` loads a trained drafter made for another target of the same shape (e.g. the
-default model requantized to Q4_K_M: drafting stays lossless, acceptance may differ).
+a trained drafter loads on any quantization of the model it was trained for (one note) and
+``NAME@any_target=1`` on another model of the same shape (one warning; lossless, acceptance may differ).
 
 Adding a drafter: one module with the drafter, its options dataclass and a builder
 ``(target, checkpoint, options, name) -> Drafter``, plus one ``DrafterSpec`` row below.
@@ -178,7 +178,7 @@ def make_drafter(spec: str, target=None, budget: int | None = None) -> Drafter:
         if not (value.isascii() and value.isdigit()):  # str.isdigit() also takes "²", which int() does not
             raise SpecdraftError(f"drafter option budget must be an integer >= 0 (got {value!r})")
         budget = int(value)
-    any_target = raw.pop("any_target", "0")  # NAME@any_target=1: a trained drafter on another quantization
+    any_target = raw.pop("any_target", "0")  # NAME@any_target=1: a trained drafter on another model of its shape
     if any_target not in ("0", "1"):
         raise SpecdraftError(f"drafter option any_target must be 0 or 1 (got {any_target!r})")
     path, shown = None, name

@@ -39,11 +39,13 @@ def gguf_name(hf: str) -> str:
 
 
 def write_gguf(path: Path, cfg: ModelConfig, sd: dict[str, Tensor], kind_of: Callable[[str, Tensor], str],
-               name: str = "test-model", stored: dict[str, tuple[str, np.ndarray]] | None = None) -> None:
+               name: str = "test-model", stored: dict[str, tuple[str, np.ndarray]] | None = None,
+               tokenizer_from: Path | None = None) -> None:
     """``sd``: HF-named fp32 tensors of a llama-architecture model (tied embeddings: no lm_head);
     ``kind_of(hf_name, tensor)``: its GGUF type ("F32" or a block format; 1-D tensors are always F32).
     ``stored``: tensors given as (any GGML type name, its block bytes [rows, row_bytes]) instead, written as
-    they are (q/k rows already in llama.cpp's order)."""
+    they are (q/k rows already in llama.cpp's order).  ``tokenizer_from``: a GGUF whose tokenizer and chat
+    template the file takes (its first ``cfg.vocab_size`` tokens); None: no tokenizer."""
     w = GGUFWriter(str(path), "llama")
     w.add_name(name)
     w.add_block_count(cfg.num_layers)
@@ -56,10 +58,16 @@ def write_gguf(path: Path, cfg: ModelConfig, sd: dict[str, Tensor], kind_of: Cal
     w.add_value_length(cfg.head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_eps)
     w.add_rope_freq_base(cfg.rope_theta)
-    if cfg.bos_token_id is not None:
-        w.add_bos_token_id(cfg.bos_token_id)
-    if cfg.eos_token_ids:
-        w.add_eos_token_id(cfg.eos_token_ids[0])
+    if tokenizer_from is not None:
+        from specdraft.model.gguf_read import GGUFFile
+
+        src = GGUFFile(tokenizer_from)
+        _add_tokenizer(w, src, _subset_vocabulary(src, cfg.vocab_size), cfg.vocab_size)
+    else:
+        if cfg.bos_token_id is not None:
+            w.add_bos_token_id(cfg.bos_token_id)
+        if cfg.eos_token_ids:
+            w.add_eos_token_id(cfg.eos_token_ids[0])
     for hf, (kind, data) in (stored or {}).items():
         w.add_tensor(gguf_name(hf), data, raw_shape=data.shape, raw_dtype=GGMLQuantizationType[kind])
     for hf, t in sd.items():
@@ -120,6 +128,25 @@ def _subset_vocabulary(source, vocab: int) -> dict:
     return {"tokens": tokens, "types": source.get("tokenizer.ggml.token_type")[:vocab], "merges": merges}
 
 
+def _add_tokenizer(w: GGUFWriter, src, voc: dict, vocab_size: int) -> None:
+    """The vocabulary ``voc`` (``_subset_vocabulary``), its special token ids and the chat template of the
+    GGUF ``src`` into the writer ``w``."""
+    w.add_vocab_size(vocab_size)
+    w.add_tokenizer_model(src.get("tokenizer.ggml.model", "gpt2"))
+    if src.get("tokenizer.ggml.pre"):
+        w.add_tokenizer_pre(src.get("tokenizer.ggml.pre"))
+    w.add_token_list(voc["tokens"])
+    w.add_token_types(voc["types"])
+    w.add_token_merges(voc["merges"])
+    for key, add in (("bos", w.add_bos_token_id), ("eos", w.add_eos_token_id), ("unknown", w.add_unk_token_id),
+                     ("padding", w.add_pad_token_id)):
+        tid = src.get(f"tokenizer.ggml.{key}_token_id")
+        if isinstance(tid, int) and tid < vocab_size:
+            add(tid)
+    if src.get("tokenizer.chat_template"):
+        w.add_chat_template(src.get("tokenizer.chat_template"))
+
+
 def write_random_llama(path: Path, cfg: ModelConfig, tokenizer_from: Path, mix: dict[str, str] | None = None,
                        rope_factors: np.ndarray | None = None, seed: int = 0, name: str = "random-llama",
                        progress: bool = False) -> None:
@@ -164,20 +191,7 @@ def write_random_llama(path: Path, cfg: ModelConfig, tokenizer_from: Path, mix: 
     w.add_rope_dimension_count(d)
     w.add_layer_norm_rms_eps(cfg.rms_eps)
     w.add_rope_freq_base(cfg.rope_theta)
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_tokenizer_model(src.get("tokenizer.ggml.model", "gpt2"))
-    if src.get("tokenizer.ggml.pre"):
-        w.add_tokenizer_pre(src.get("tokenizer.ggml.pre"))
-    w.add_token_list(voc["tokens"])
-    w.add_token_types(voc["types"])
-    w.add_token_merges(voc["merges"])
-    for key, add in (("bos", w.add_bos_token_id), ("eos", w.add_eos_token_id), ("unknown", w.add_unk_token_id),
-                     ("padding", w.add_pad_token_id)):
-        tid = src.get(f"tokenizer.ggml.{key}_token_id")
-        if isinstance(tid, int) and tid < cfg.vocab_size:
-            add(tid)
-    if src.get("tokenizer.chat_template"):
-        w.add_chat_template(src.get("tokenizer.chat_template"))
+    _add_tokenizer(w, src, voc, cfg.vocab_size)
     for tname, kind, rows, cols in shapes:
         if kind == "F32":
             nbytes, shape, dt = rows * cols * 4, [cols] if rows == 1 else [rows, cols], np.dtype(np.float32)

@@ -46,10 +46,11 @@ class LoadedWeights:
                  state_dict: dict[str, torch.Tensor] | None = None, quantized: dict | None = None,
                  vectors: dict[str, torch.Tensor] | None = None, matrix=None, matrices: dict[str, tuple[int, int]] | None = None,
                  gguf: GGUFFile | None = None, gguf_names: dict[str, str] | None = None,
-                 rope_factors: torch.Tensor | None = None) -> None:
+                 rope_factors: torch.Tensor | None = None, model_hash: str | None = None) -> None:
         self.name = name  # human-readable target name
         self.config = config
         self.weight_hash = weight_hash  # sha256 of the weight files (identifies the target for drafter checkpoints)
+        self.model_hash = model_hash  # ``model_fingerprint``: the model whatever its quantization (None: unknown)
         self.tokenizer_source = tokenizer_source  # (path, kwargs) for AutoTokenizer.from_pretrained
         self.quantized = quantized or {}  # HF name -> RawQuant / LazyRaw: a GGUF's quantized blocks as stored
         self._sd = state_dict
@@ -98,6 +99,36 @@ def file_hash(paths: list[Path]) -> str:
             for chunk in iter(lambda: f.read(1 << 22), b""):
                 h.update(chunk)
     return h.hexdigest()
+
+
+# The fields of a ModelConfig that make a drafter fit a model besides its vocabulary: every shape and
+# every constant of the forward pass (not the context length or the stop tokens a converter may set).
+MODEL_FIELDS = ("arch", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                "head_dim", "rope_theta", "rope_scaling", "tie_embeddings", "qkv_bias", "qk_norm", "sliding_window")
+
+
+def model_fingerprint(cfg: ModelConfig, tokens: list[str] | None) -> str | None:
+    """sha256 of a model's architecture, shapes and vocabulary (its token strings by id): equal for every
+    quantization of one model (what a trained drafter needs: same hidden states up to rounding, same
+    token ids), different for another model.  None when the vocabulary is unknown."""
+    if not tokens:
+        return None
+    fields = {k: getattr(cfg, k) for k in MODEL_FIELDS} | {"rms_eps": f"{cfg.rms_eps:.4g}"}  # GGUF stores fp32
+    h = hashlib.sha256(json.dumps(fields, sort_keys=True).encode())
+    h.update(json.dumps(list(tokens)).encode())
+    return h.hexdigest()
+
+
+def _hf_vocabulary(path: Path) -> list[str] | None:
+    """An HF folder's token strings by id (tokenizer.json's model vocabulary and added tokens), or None."""
+    try:
+        tj = json.loads((path / "tokenizer.json").read_text())
+        vocab = dict(tj["model"]["vocab"])
+        vocab.update({t["content"]: t["id"] for t in tj.get("added_tokens", [])})
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    by_id = sorted((i, t) for t, i in vocab.items() if isinstance(i, int))
+    return [t for _, t in by_id] if [i for i, _ in by_id] == list(range(len(by_id))) else None
 
 
 def cache_dir() -> Path:
@@ -284,6 +315,7 @@ def load_gguf(path: Path, name: str | None = None) -> LoadedWeights:
         gguf=g,
         gguf_names=names,
         rope_factors=rope_factors,
+        model_hash=model_fingerprint(cfg, meta("tokenizer.ggml.tokens")),
     )
 
 
@@ -345,6 +377,7 @@ def load_hf_folder(path: Path) -> LoadedWeights:
         state_dict=sd,
         weight_hash=file_hash(files),
         tokenizer_source=(str(path), {}),
+        model_hash=model_fingerprint(cfg, _hf_vocabulary(path)),
     )
 
 

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from specdraft.errors import SpecdraftError
+from specdraft.errors import SpecdraftError, SpecdraftNote
 from specdraft.nn.block import BlockConfig, BlockModel
 from specdraft.nn.eagle3 import Eagle3Config, Eagle3Model
 from specdraft.nn.hybrid import HybridConfig, HybridModel
@@ -113,15 +113,42 @@ class DraftCheckpoint:
     vocab: PhraseVocab | None = None  # phrase only: the draft vocabulary the head scores
 
 
+def target_identity(target) -> dict:
+    """The manifest fields naming the target a drafter is trained for: its name, its weights' hash and
+    its model fingerprint (``model.load.model_fingerprint``: the same for any quantization of it)."""
+    return {"target_name": target.name, "target_hash": target.weight_hash,
+            "target_model": getattr(target, "model_hash", None)}
+
+
+def check_target(manifest: dict, target, path: str | Path, any_target: bool = False) -> None:
+    """Accept a checkpoint for ``target``: trained on these weights; or on another quantization of the same
+    model (same fingerprint: one note); or, asked with ``any_target``, on any model it fits (one warning).
+    Anything else is one SpecdraftError saying which model it was made for."""
+    if manifest.get("target_hash") == target.weight_hash:
+        return
+    trained = f"{manifest.get('target_name')!r} (weights {str(manifest.get('target_hash'))[:12]})"
+    here = f"{target.name!r} (weights {target.weight_hash[:12]})"
+    model = manifest.get("target_model")
+    if model is not None and model == getattr(target, "model_hash", None):
+        warnings.warn(f"{Path(path).name} was trained on {trained}; the loaded target {here} is the same model in "
+                      "another quantization: lossless, its acceptance may differ a little", SpecdraftNote, stacklevel=3)
+    elif any_target:
+        warnings.warn(f"specdraft: {path} was trained for {trained}, used on {here} as asked (any_target=1): "
+                      "lossless, but its acceptance was measured on the other weights", stacklevel=3)
+    else:
+        what = "another model (its architecture, shapes or vocabulary differ)" if model is not None else \
+            "another target (its manifest names no model fingerprint to match quantizations by)"
+        raise SpecdraftError(f"checkpoint {path} was trained for target {trained}, not the loaded target {here}: "
+                             f"{what}; train a drafter for this target (NAME@any_target=1 uses it anyway where "
+                             "its shapes fit)")
+
+
 def load_draft_model(target, path: str | Path, kind: str, any_target: bool = False) -> DraftCheckpoint:
     """The trained drafter network of ``kind`` in checkpoint ``path``, built for ``target`` (its
-    frozen embeddings and LM-head rows shared), with the target-fit checks.  ``any_target``: also for
-    another target than the one it was trained for (its shapes must still fit; one warning)."""
-    tensors, manifest = load_checkpoint(path, target_hash=None if any_target else target.weight_hash, kind=kind)
-    if any_target and manifest.get("target_hash") != target.weight_hash:
-        warnings.warn(f"specdraft: {path} was trained for {manifest.get('target_name')!r} "
-                      f"(weights {str(manifest.get('target_hash'))[:12]}), used on {target.name!r} as asked "
-                      "(any_target=1): lossless, but its acceptance was measured on the other weights", stacklevel=2)
+    frozen embeddings and LM-head rows shared), with the target-fit checks (``check_target``: these
+    weights or another quantization of the same model; ``any_target``: any target whose shapes fit)."""
+    tensors, manifest = load_checkpoint(path, kind=kind)
+    check_target(manifest, target, path, any_target)
     tm = target.model
     try:
         if kind == "phrase":

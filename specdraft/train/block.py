@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 from specdraft.errors import SpecdraftError
 from specdraft.nn.block import BlockConfig, BlockModel
+from specdraft.nn.checkpoint import target_identity
 from specdraft.train.corpus import AnchorBatch, Corpus, load_corpus, make_batch, plan_epoch, split_and_vocabulary, token_at
 from specdraft.train.data import check_data_target, data_sha256
 from specdraft.train.loop import adamw, optimizer_step, resume, save_fp16, save_state, set_lr, state_path
@@ -338,8 +339,7 @@ def train_block(target, data_dir: str | Path, feat_dir: str | Path, out: str | P
 
     manifest = {
         "kind": "block",
-        "target_name": target.name,
-        "target_hash": target.weight_hash,
+        **target_identity(target),
         "config": asdict(mcfg),
         "drafter": name,
         "train": asdict(cfg),

@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from specdraft.errors import SpecdraftError
-from specdraft.nn.checkpoint import MODELS, load_draft_model
+from specdraft.nn.checkpoint import MODELS, load_draft_model, target_identity
 from specdraft.nn.eagle3 import Eagle3Config
 from specdraft.nn.hybrid import HybridConfig, HybridModel
 from specdraft.train.corpus import AnchorBatch, Corpus, load_corpora, make_batch, plan_epoch, split_and_vocabulary, take, token_at
@@ -435,8 +435,7 @@ def train_hybrid(target, data_dir, feat_dir, out: str | Path, cfg: HybridTrainCo
 
     manifest = {
         "kind": cfg.arch,
-        "target_name": target.name,
-        "target_hash": target.weight_hash,
+        **target_identity(target),
         "config": asdict(mcfg),
         "drafter": mcfg.kind,
         "train": asdict(cfg),

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from specdraft.drafters.phrase import PhraseDrafter, PhraseOptions
 from specdraft.errors import SpecdraftError
-from specdraft.nn.checkpoint import load_checkpoint, save_checkpoint
+from specdraft.nn.checkpoint import load_checkpoint, save_checkpoint, target_identity
 from specdraft.nn.phrase import FEATURE_LAYER, PhraseHead, PhraseHeadConfig, PhraseVocab
 from specdraft.replay import simulate
 from specdraft.train.data import check_data_target, data_sha256, load_sequences, read_features, read_manifest
@@ -334,8 +334,7 @@ def train_phrase(target, data_dir: str | Path, feat_dir: str | Path, out: str | 
 
     manifest = {
         "kind": "phrase",
-        "target_name": target.name,
-        "target_hash": target.weight_hash,
+        **target_identity(target),
         "head": asdict(head.cfg),
         "train": asdict(cfg),
         "feature_layer": FEATURE_LAYER,

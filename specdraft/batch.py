@@ -367,10 +367,15 @@ class Batcher:
         self.slots.fit_rows(rows)
         start, dev = self.slots.scratch, self.target.device
         mask = torch.zeros(rows, start + rows, dtype=torch.bool)
+        windows = self.target.config.sliding_window is not None
+        keys = torch.zeros(start + rows, dtype=torch.long) if windows else None  # each slot's position (windows)
         tokens, positions, logit_rows = [], [], []
         for seg in segments:
             s, n = seg.seq, len(seg.tokens)
             mask[seg.lo:seg.lo + n, s.base:s.base + s.length] = True
+            if windows:
+                keys[s.base:s.base + s.length] = torch.arange(s.length)
+                keys[start + seg.lo:start + seg.lo + n] = torch.tensor(seg.positions)
             mask[seg.lo:seg.lo + n, start + seg.lo:start + seg.lo + n] = seg.visible
             tokens += seg.tokens
             positions += seg.positions
@@ -382,7 +387,8 @@ class Batcher:
                 logit_rows.append(seg.lo + n - 1)
         return self.target.model(torch.tensor([tokens], device=dev), torch.tensor([positions], device=dev),
                                  mask[None].to(dev), self.slots.cache, start, hidden_layers=self.drafter.hidden_layers,
-                                 logits=torch.tensor(logit_rows, dtype=torch.long, device=dev))
+                                 logits=torch.tensor(logit_rows, dtype=torch.long, device=dev),
+                                 key_positions=None if keys is None else keys[None].to(dev))
 
     def _take(self, seg: _Segment, out: ForwardOutput, start: int, src: list[int], dst: list[int], pass_s: float) -> bool:
         """Apply the pass to one sequence (its K/V copies queued in ``src``/``dst``); True when it is done."""

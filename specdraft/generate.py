@@ -137,9 +137,6 @@ def plan(target: Target, prompt_ids: list[int], drafter: Drafter, cfg: GenerateC
         raise SpecdraftError(f"the prompt is {n} tokens, longer than the target's context of {ctx}")
     max_new = min(cfg.max_new_tokens, ctx - n)
     slots = n + max_new + budget + 1
-    window = target.config.sliding_window
-    if window is not None and slots > window:
-        raise SpecdraftError(f"sequences past the sliding window ({window} tokens) are not supported yet")
     gen = None
     if not cfg.sampling.greedy:
         gen = torch.Generator(device=target.device).manual_seed(0 if cfg.seed is None else cfg.seed)

@@ -207,9 +207,6 @@ class Target:
         ctx = self.config.max_position
         if n >= ctx:
             raise SpecdraftError(f"the prompt is {n} tokens, longer than the target's context of {ctx}")
-        window = self.config.sliding_window
-        if window is not None and max_slots > window:
-            raise SpecdraftError(f"sequences past the sliding window ({window} tokens) are not supported yet")
         need = min(max_slots, n + GROW_SLOTS)  # the prompt and a first stretch; not max_slots up front
         if self.cache is None or self.cache.max_slots < need:
             self.cache = None  # the old one goes first (both at once would be the peak)

@@ -55,6 +55,16 @@ TINY = {
     "qwen3": dict(model_type="qwen3", vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
                   rope_theta=10000.0, tie_word_embeddings=False, eos_token_id=1, bos_token_id=0),
+    "llama_d8": dict(model_type="llama", vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256, rope_theta=10000.0,
+                     tie_word_embeddings=False, eos_token_id=1, bos_token_id=0),  # heads of 8: not in the fast block
+    # Gemma 3: a window of 4 (the tests' sequences run past it), the middle layer global, each layer type with
+    # its own RoPE base, an attention scale other than 1/sqrt(head size)
+    "gemma3": dict(model_type="gemma3_text", vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                   sliding_window=4, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                   query_pre_attn_scalar=48, tie_word_embeddings=True, eos_token_id=1, bos_token_id=2,
+                   pad_token_id=0),
 }
 
 
@@ -68,6 +78,8 @@ def make_tiny_hf(arch: str, path, seed: int = 0, scale: float = 1.0):
         for name, p in model.named_parameters():
             if "norm" not in name:
                 p.normal_(0, 0.02 * scale * 10)
+            elif TINY[arch]["model_type"] == "gemma3_text":  # its norms scale by 1 + w, w = 0 at init: make w matter
+                p.normal_(0, 0.3)
     model.save_pretrained(path, safe_serialization=True)
     return model
 

@@ -187,7 +187,7 @@ def assert_tree_equals_sequential(t: Target, prompt: list[int], sizes, seed: int
             assert torch.equal(logits, got[node]), (n, node)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma3"])
 def tiny_fast(request, tmp_path_factory) -> Target:
     path = tmp_path_factory.mktemp(f"tiny_fast_{request.param}")
     make_tiny_hf(request.param, path, scale=3.0)
@@ -267,7 +267,7 @@ def test_unknown_precision_is_refused(default_weights):
 
 
 def test_a_model_the_fast_mode_cannot_run_stays_exact_with_one_warning(tmp_path):
-    make_tiny_hf("qwen3", tmp_path)  # q/k norm: not in the fast block
+    make_tiny_hf("llama_d8", tmp_path)  # heads of 8 (the fast block takes multiples of 16)
     w = load_hf_folder(tmp_path)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -299,18 +299,20 @@ def test_left_padded_batches_equal_single_stream_in_the_fast_mode(default_target
     assert batched == single
 
 
-def test_fast_mode_computes_the_exact_modes_model(tmp_path):
-    """Every weight reaches the fast block (q/k/v bias, both norm weights, the final norm): on a tiny
-    Qwen2 with random norm weights the fast logits stay within 8-bit rounding of the exact ones.
-    Dropping any of them moves the logits far more (measured: 67-113% of their scale, against 13%)."""
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma3"])
+def test_fast_mode_computes_the_exact_modes_model(tmp_path, arch):
+    """Every weight reaches the fast block (q/k/v bias, every norm weight, the final norm; Gemma 3's
+    q/k and sandwich norms, GeGLU, attention scale, windows and two RoPE bases): on tiny models with
+    random norm weights the fast logits stay within 8-bit rounding of the exact ones.  Dropping any of
+    them moves the logits far more (Qwen2, measured: 67-113% of their scale, against 13%)."""
     from transformers import AutoModelForCausalLM
 
-    make_tiny_hf("qwen2", tmp_path, scale=3.0)
+    make_tiny_hf(arch, tmp_path, scale=3.0)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path)
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if "norm" in name:
-                p.uniform_(0.5, 1.5)
+                p.uniform_(-0.5, 0.5) if arch == "gemma3" else p.uniform_(0.5, 1.5)  # Gemma's norms scale by 1 + w
     hf.save_pretrained(tmp_path, safe_serialization=True)
     w = load_hf_folder(tmp_path)
     ids = torch.tensor([[5, 17, 3, 44, 9, 12, 80, 2, 33, 61]])

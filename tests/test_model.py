@@ -31,7 +31,7 @@ def check_against_hf(hf, target, ids: list[int], steps: int) -> None:
             assert (out.logits[0, -1] - full).abs().max().item() < TOL, f"step {step}"
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_tiny_models_match_hf(tmp_path, arch):
     hf = make_tiny_hf(arch, tmp_path)
     target = tiny_target(tmp_path)

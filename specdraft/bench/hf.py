@@ -13,7 +13,10 @@ def build_hf_model(weights, device: str = "cpu"):
 
     cfg = AutoConfig.for_model(**weights.config.to_hf())
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    missing, _ = model.load_state_dict(weights.state_dict, strict=False)
+    sd = weights.state_dict
+    if weights.config.arch == "gemma3":  # held as Gemma's 1 + w (as a GGUF stores it); HF adds the 1 itself
+        sd = {k: v - 1.0 if k.endswith("norm.weight") else v for k, v in sd.items()}
+    missing, _ = model.load_state_dict(sd, strict=False)
     missing = [k for k in missing if not (weights.config.tie_embeddings and k == "lm_head.weight")]
     if missing:
         raise RuntimeError(f"HF reference model: weights missing {missing[:3]}")

@@ -882,9 +882,13 @@ static int64_t visible(const bool* mr, int64_t S, int32_t* idx) {
   return n;
 }
 
-static inline float silu_mul(float g, float u) { return g / (1.f + exp_s(-g)) * u; }
+// The gated MLP's activation: silu(g) u = g / (1 + e^-g) u, or GeGLU's gelu_tanh(g) u = g / (1 + e^-z) u with
+// z = 2 sqrt(2/pi) (g + 0.044715 g^3) (0.5 (1 + tanh(z/2)) = 1 / (1 + e^-z)): one exponential either way.
+static constexpr float GELU_K = 1.5957691216057308f, GELU_A = 0.044715f;  // 2 sqrt(2/pi), the cubic's weight
+static inline float gelu_arg(float g) { return GELU_K * (g + GELU_A * g * g * g); }
+static inline float act_mul(float g, float u, bool gelu) { return g / (1.f + exp_s(-(gelu ? gelu_arg(g) : g))) * u; }
 
-static void silu_rows(const float* gu, int64_t M, int64_t inter, float* out) {
+static void act_rows(const float* gu, int64_t M, int64_t inter, float* out, bool gelu) {
   for (int64_t m = 0; m < M; ++m) {
     const float* g = gu + m * 2 * inter;
     float* o = out + m * inter;
@@ -893,7 +897,9 @@ static void silu_rows(const float* gu, int64_t M, int64_t inter, float* out) {
     if (true)
       for (; j + 16 <= inter; j += 16) {
         const __m512 gv = _mm512_loadu_ps(g + j);
-        const __m512 e = exp_v(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        const __m512 z = gelu ? _mm512_mul_ps(_mm512_set1_ps(GELU_K), _mm512_add_ps(gv, _mm512_mul_ps(
+                                    _mm512_mul_ps(_mm512_set1_ps(GELU_A), gv), _mm512_mul_ps(gv, gv)))) : gv;
+        const __m512 e = exp_v(_mm512_sub_ps(_mm512_setzero_ps(), z));
         _mm512_storeu_ps(o + j, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)),
                                               _mm512_loadu_ps(g + inter + j)));
       }
@@ -901,12 +907,14 @@ static void silu_rows(const float* gu, int64_t M, int64_t inter, float* out) {
     if (true)
       for (; j + 8 <= inter; j += 8) {
         const __m256 gv = _mm256_loadu_ps(g + j);
-        const __m256 e = exp_v8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+        const __m256 z = gelu ? _mm256_mul_ps(_mm256_set1_ps(GELU_K), _mm256_add_ps(gv, _mm256_mul_ps(
+                                    _mm256_mul_ps(_mm256_set1_ps(GELU_A), gv), _mm256_mul_ps(gv, gv)))) : gv;
+        const __m256 e = exp_v8(_mm256_sub_ps(_mm256_setzero_ps(), z));
         _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f), e)),
                                               _mm256_loadu_ps(g + inter + j)));
       }
 #endif
-    for (; j < inter; ++j) o[j] = silu_mul(g[j], g[inter + j]);
+    for (; j < inter; ++j) o[j] = act_mul(g[j], g[inter + j], gelu);
   }
 }
 
@@ -963,14 +971,17 @@ std::tuple<at::Tensor, at::Tensor> head(const at::Tensor& x, const at::Tensor& n
 //   x [B, T, H]; rot [B, T, D/2, 2] (cos, sin) per pair; mask bool [B, T, start+T] (true = may attend)
 //   or none (every slot visible); kv [2, B, Hkv, S, D] written at slots start .. start+T-1.  A drafter's
 //   layer also takes qk_norm [2, D] (an RMSNorm over each q / k head before RoPE, DFlash's) and out_rows: only
-//   the first out_rows rows of each sequence come out (the others give their keys and values only).
+//   the first out_rows rows of each sequence come out (the others give their keys and values only).  Gemma 3's
+//   blocks add post_attn / post_mlp [H] (an RMSNorm on W_o's and W_down's outputs before each residual add),
+//   gelu (GeGLU for SwiGLU) and scale (the attention logits' factor; 0 = 1/sqrt(D)).
 at::Tensor block(const at::Tensor& x_in, at::TensorList qkv_t, at::IntArrayRef qkv_meta,
                  const std::optional<at::Tensor>& s_attn, const std::optional<at::Tensor>& bqkv, at::TensorList o_t,
                  at::IntArrayRef o_meta, at::TensorList gu_t, at::IntArrayRef gu_meta,
                  const std::optional<at::Tensor>& s_mlp, at::TensorList dn_t, at::IntArrayRef dn_meta,
                  const at::Tensor& rot, const std::optional<at::Tensor>& mask, const at::Tensor& kv, int64_t start,
                  double eps, int64_t hq, int64_t hkv, int64_t D, const std::optional<at::Tensor>& qk_norm,
-                 int64_t out_rows) {
+                 int64_t out_rows, const std::optional<at::Tensor>& post_attn, const std::optional<at::Tensor>& post_mlp,
+                 bool gelu, double attn_scale) {
   TORCH_CHECK(x_in.is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() == 3, "fast block: x [B, T, H] fp32 on the CPU");
   TORCH_CHECK(D % 16 == 0 && hq % hkv == 0, "fast block: head size a multiple of 16");
   at::Tensor x = x_in.contiguous();
@@ -987,6 +998,9 @@ at::Tensor block(const at::Tensor& x_in, at::TensorList qkv_t, at::IntArrayRef q
               "fast block: s_attn [H] fp32");
   TORCH_CHECK(!s_mlp || (s_mlp->is_contiguous() && s_mlp->numel() == H && s_mlp->scalar_type() == at::kFloat),
               "fast block: s_mlp [H] fp32");
+  for (const auto* t : {&post_attn, &post_mlp})
+    TORCH_CHECK(!*t || ((*t)->is_contiguous() && (*t)->numel() == H && (*t)->scalar_type() == at::kFloat),
+                "fast block: post_attn / post_mlp [H] fp32");
   const WSet wqkv = weights(qkv_t, qkv_meta, H), wo = weights(o_t, o_meta, qsz), wgu = weights(gu_t, gu_meta, H);
   const int64_t inter = wgu.N / 2;
   const WSet wd = weights(dn_t, dn_meta, inter);
@@ -1046,7 +1060,7 @@ at::Tensor block(const at::Tensor& x_in, at::TensorList qkv_t, at::IntArrayRef q
   // attention, each row's visible slots in slot order.  A task is one KV head and a block of rows, so the
   // head's keys and values (2 MB at a 4k context) stay in cache while the block's rows, and the thread's
   // next blocks of the same head, read them; enough blocks that both threads have work.
-  const float scale = 1.f / std::sqrt((float)D);
+  const float scale = attn_scale > 0 ? (float)attn_scale : 1.f / std::sqrt((float)D);
   const int64_t nrb = std::min<int64_t>(Mo, std::max<int64_t>((Mo + 63) / 64, (2 * at::get_num_threads() + hkv - 1) / hkv));
   const int64_t R = (Mo + nrb - 1) / nrb;
   at::parallel_for(0, hkv * nrb, 1, [&](int64_t s, int64_t e) {
@@ -1068,21 +1082,23 @@ at::Tensor block(const at::Tensor& x_in, at::TensorList qkv_t, at::IntArrayRef q
   float* yp = y.data_ptr<float>();
   quantize_rows(buf.data(), Mo, qsz, qx);
   linear_q(qx, Mo, wo, yp, H);
+  if (post_attn) rms_rows(yp, Mo, H, eps, post_attn->data_ptr<float>(), yp);
   for (int64_t r = 0; r < Mo; ++r) {
     const float* xr = xp + row(r) * H;
     float* yr = yp + r * H;
     for (int64_t i = 0; i < H; ++i) yr[i] = yr[i] + xr[i];
   }
-  // out = y + W_down (silu(gate) * up),  gate|up = W_gu RMSNorm(y)
+  // out = y + W_down (silu(gate) * up),  gate|up = W_gu RMSNorm(y)  (Gemma: gelu_tanh; RMSNorm on W_down's output)
   rms_rows(yp, Mo, H, eps, s_mlp ? s_mlp->data_ptr<float>() : nullptr, buf.data());
   quantize_rows(buf.data(), Mo, H, qx);
   std::vector<float> gu(Mo * 2 * inter);
   linear_q(qx, Mo, wgu, gu.data(), 2 * inter);
-  silu_rows(gu.data(), Mo, inter, buf.data());
+  act_rows(gu.data(), Mo, inter, buf.data(), gelu);
   quantize_rows(buf.data(), Mo, inter, qx);
   at::Tensor out = at::empty({B, To, H}, opt);
   float* op = out.data_ptr<float>();
   linear_q(qx, Mo, wd, op, H);
+  if (post_mlp) rms_rows(op, Mo, H, eps, post_mlp->data_ptr<float>(), op);
   for (int64_t i = 0; i < Mo * H; ++i) op[i] = op[i] + yp[i];
   return out;
 }
@@ -1203,9 +1219,10 @@ at::Tensor block(const at::Tensor& x, at::TensorList qkv, at::IntArrayRef qkv_me
                  at::IntArrayRef gu_meta, const std::optional<at::Tensor>& s_mlp, at::TensorList dn,
                  at::IntArrayRef dn_meta, const at::Tensor& rot, const std::optional<at::Tensor>& mask,
                  const at::Tensor& kv, int64_t start, double eps, int64_t hq, int64_t hkv, int64_t D,
-                 const std::optional<at::Tensor>& qk_norm, int64_t out_rows) {
+                 const std::optional<at::Tensor>& qk_norm, int64_t out_rows, const std::optional<at::Tensor>& post_attn,
+                 const std::optional<at::Tensor>& post_mlp, bool gelu, double attn_scale) {
   return FAST_DISPATCH(block, x, qkv, qkv_meta, s_attn, bqkv, o, o_meta, gu, gu_meta, s_mlp, dn, dn_meta, rot, mask, kv,
-                       start, eps, hq, hkv, D, qk_norm, out_rows);
+                       start, eps, hq, hkv, D, qk_norm, out_rows, post_attn, post_mlp, gelu, attn_scale);
 }
 std::tuple<at::Tensor, at::Tensor> logp_topk(const at::Tensor& logits, int64_t k) { return FAST_DISPATCH(logp_topk, logits, k); }
 void set_isa(int64_t which) {
@@ -1224,7 +1241,8 @@ TORCH_LIBRARY_FRAGMENT(specdraft_quant, lib) {
           &fastk::head);
   lib.def("fast_block(Tensor x, Tensor[] qkv, int[] qkv_meta, Tensor? s_attn, Tensor? bqkv, Tensor[] o, int[] o_meta, "
           "Tensor[] gu, int[] gu_meta, Tensor? s_mlp, Tensor[] dn, int[] dn_meta, Tensor rot, Tensor? mask, "
-          "Tensor(a!) kv, int start, float eps, int hq, int hkv, int d, Tensor? qk_norm=None, int out_rows=-1) -> Tensor",
+          "Tensor(a!) kv, int start, float eps, int hq, int hkv, int d, Tensor? qk_norm=None, int out_rows=-1, "
+          "Tensor? post_attn=None, Tensor? post_mlp=None, bool gelu=False, float scale=0.0) -> Tensor",
           &fastk::block);
   lib.def("fast_logp_topk(Tensor logits, int k) -> (Tensor, Tensor)", &fastk::logp_topk);
   lib.def("fast_set_isa(int which) -> ()", &fastk::set_isa);

@@ -18,6 +18,11 @@ _HF_TO_GGUF = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+}
+_GEMMA3_TO_GGUF = _HF_TO_GGUF | {  # Gemma 3's sandwich norms (HF's post_attention_layernorm follows the attention)
+    "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
 }
 
 
@@ -26,7 +31,7 @@ def _rope_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_name(hf: str) -> str:
+def gguf_name(hf: str, arch: str = "llama") -> str:
     if hf == "model.embed_tokens.weight":
         return "token_embd.weight"
     if hf == "model.norm.weight":
@@ -35,18 +40,20 @@ def gguf_name(hf: str) -> str:
         return "output.weight"
     _, _, layer, rest = hf.split(".", 3)  # model.layers.N.<module>.weight
     module, leaf = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_HF_TO_GGUF[module]}.{leaf}"
+    return f"blk.{layer}.{(_GEMMA3_TO_GGUF if arch == 'gemma3' else _HF_TO_GGUF)[module]}.{leaf}"
 
 
 def write_gguf(path: Path, cfg: ModelConfig, sd: dict[str, Tensor], kind_of: Callable[[str, Tensor], str],
                name: str = "test-model", stored: dict[str, tuple[str, np.ndarray]] | None = None,
                tokenizer_from: Path | None = None) -> None:
-    """``sd``: HF-named fp32 tensors of a llama-architecture model (tied embeddings: no lm_head);
+    """``sd``: HF-named fp32 tensors of a Llama-architecture or Gemma 3 model (``cfg.arch``; tied
+    embeddings: no lm_head; Gemma's norms as the 1 + w they scale by, as ``model.load`` holds them);
     ``kind_of(hf_name, tensor)``: its GGUF type ("F32" or a block format; 1-D tensors are always F32).
     ``stored``: tensors given as (any GGML type name, its block bytes [rows, row_bytes]) instead, written as
     they are (q/k rows already in llama.cpp's order).  ``tokenizer_from``: a GGUF whose tokenizer and chat
     template the file takes (its first ``cfg.vocab_size`` tokens); None: no tokenizer."""
-    w = GGUFWriter(str(path), "llama")
+    arch = "gemma3" if cfg.arch == "gemma3" else "llama"
+    w = GGUFWriter(str(path), arch)
     w.add_name(name)
     w.add_block_count(cfg.num_layers)
     w.add_context_length(cfg.max_position)
@@ -58,6 +65,13 @@ def write_gguf(path: Path, cfg: ModelConfig, sd: dict[str, Tensor], kind_of: Cal
     w.add_value_length(cfg.head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_eps)
     w.add_rope_freq_base(cfg.rope_theta)
+    if arch == "gemma3":  # what llama.cpp reads beside its own Gemma 3 constants (model.load._gemma3_gguf)
+        if abs((cfg.query_scale or 0) * math.sqrt(cfg.head_dim) - 1) > 1e-6:
+            raise ValueError("a Gemma 3 GGUF's attention scale is 1/sqrt(head size); this config's is not")
+        if cfg.sliding_window is not None:
+            w.add_sliding_window(cfg.sliding_window)
+            w.add_sliding_window_pattern([cfg.window(i) is not None for i in range(cfg.num_layers)])
+            w.add_rope_freq_base_swa(cfg.rope_local_theta or cfg.rope_theta)
     if tokenizer_from is not None:
         from specdraft.model.gguf_read import GGUFFile
 
@@ -69,19 +83,19 @@ def write_gguf(path: Path, cfg: ModelConfig, sd: dict[str, Tensor], kind_of: Cal
         if cfg.eos_token_ids:
             w.add_eos_token_id(cfg.eos_token_ids[0])
     for hf, (kind, data) in (stored or {}).items():
-        w.add_tensor(gguf_name(hf), data, raw_shape=data.shape, raw_dtype=GGMLQuantizationType[kind])
+        w.add_tensor(gguf_name(hf, arch), data, raw_shape=data.shape, raw_dtype=GGMLQuantizationType[kind])
     for hf, t in sd.items():
         if hf in (stored or {}):
             continue
         a = t.detach().float().cpu().numpy()
-        if hf.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):  # Gemma's stay in HF's order
             a = _rope_permute(a, cfg.num_heads if "q_proj" in hf else cfg.num_kv_heads)
         kind = "F32" if a.ndim == 1 else kind_of(hf, t)
         if kind == "F32":
-            w.add_tensor(gguf_name(hf), np.ascontiguousarray(a, dtype=np.float32))
+            w.add_tensor(gguf_name(hf, arch), np.ascontiguousarray(a, dtype=np.float32))
         else:
             raw = quantize(a, kind)
-            w.add_tensor(gguf_name(hf), raw.data, raw_shape=raw.data.shape, raw_dtype=GGMLQuantizationType[kind])
+            w.add_tensor(gguf_name(hf, arch), raw.data, raw_shape=raw.data.shape, raw_dtype=GGMLQuantizationType[kind])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

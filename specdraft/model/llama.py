@@ -1,4 +1,4 @@
-"""A lean Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM) for speculative decoding.
+"""A lean Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM, Gemma 3) for speculative decoding.
 
 Differences from a generic implementation, all in service of tree verification:
 - a static KV cache (``KVCache``) preallocated once and written by slot, so a draft tree can be
@@ -8,7 +8,11 @@ Differences from a generic implementation, all in service of tree verification:
 - the hidden states of any requested layers come back beside the logits (drafters read them).
 
 Maths (per block):  h = x + Wo·Attn(RoPE(Wq·n(x)), RoPE(Wk·n(x)), Wv·n(x));  y = h + Wd·(silu(Wg·n(h)) * Wu·n(h))
-with n = RMSNorm.  Q/K/V and gate/up projections are fused into one matmul each.
+with n = RMSNorm.  Q/K/V and gate/up projections are fused into one matmul each.  Gemma 3 adds (all in
+``ModelConfig``): the embedding times sqrt(H), q/k RMSNorm per head, an RMSNorm on the attention's and the
+MLP's outputs before each residual add (``sandwich_norms``), GeGLU (gelu_tanh for silu), its own
+attention scale, and sliding layers: a query sees only the keys of the last ``sliding_window`` positions
+(``windowed``) and rotates by its own RoPE base.
 """
 
 from __future__ import annotations
@@ -219,9 +223,13 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(h, cfg.rms_eps, scale=False)  # folded into w_gate_up
         self.w_gate_up = Linear(h, 2 * cfg.intermediate_size, bias=False)
         self.w_down = Linear(cfg.intermediate_size, h, bias=False)
+        if cfg.sandwich_norms:  # Gemma: RMSNorm (weights kept) on each sub-layer's output, before the residual add
+            self.post_attn_norm = RMSNorm(h, cfg.rms_eps)
+            self.post_mlp_norm = RMSNorm(h, cfg.rms_eps)
         self._fargs: tuple | None = None  # see fused_args
         self._frows = 0
         self.fast: tuple | None = None  # the fast mode's weights, as fast_block takes them (Transformer.attach_fast)
+        self.fast_extra: tuple = ()  # fast_block's optional arguments after head_dim (attach_fast)
 
     def fused_args(self) -> tuple:
         """The weights the one-op C++ block (``model.quant``: norms, RoPE, cache writes and residuals as
@@ -230,7 +238,9 @@ class Block(nn.Module):
         Static, so computed once (``Transformer.attach_quantized``/``drop_quantized`` reset it)."""
         if self._fargs is None:
             lins = (self.wqkv, self.wo, self.w_gate_up, self.w_down)
-            ok = (not self.cfg.qk_norm and all(m.quant is not None for m in lins)
+            c = self.cfg
+            ok = (not c.qk_norm and not c.sandwich_norms and c.activation == "silu" and c.query_scale is None
+                  and all(m.quant is not None for m in lins)
                   and self.wo.bias is None and self.w_gate_up.bias is None and self.w_down.bias is None
                   and self.attn_norm.weight is None and self.mlp_norm.weight is None
                   and hasattr(torch.ops.specdraft_quant, "block"))
@@ -267,11 +277,14 @@ class Block(nn.Module):
         # become G*T query rows of that head ([B, Hq, T, D] -> [B, Hkv, G*T, D]), mask rows likewise
         g = hq // cfg.num_kv_heads
         qg = q.reshape(b, cfg.num_kv_heads, g * t, d)
-        att = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)  # [B, Hkv, G*T, D]
+        att = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=cfg.query_scale)  # [B, Hkv, G*T, D]
         att = att.reshape(b, hq, t, d)  # (CUDA kernels may return it non-contiguous)
-        x = x + self.wo(att.transpose(1, 2).reshape(b, t, self.q_size))
+        o = self.wo(att.transpose(1, 2).reshape(b, t, self.q_size))
+        x = x + (self.post_attn_norm(o) if cfg.sandwich_norms else o)
         gate, up = self.w_gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
-        return x + self.w_down(F.silu(gate) * up)
+        gate = F.silu(gate) if cfg.activation == "silu" else F.gelu(gate, approximate="tanh")
+        m = self.w_down(gate * up)
+        return x + (self.post_mlp_norm(m) if cfg.sandwich_norms else m)
 
 
 class Transformer(nn.Module):
@@ -349,7 +362,7 @@ class Transformer(nn.Module):
             add(blk.wqkv, [q, k, v], perm=(q, k), in_scale=sd[p + "input_layernorm.weight"])
             add(blk.wo, [p + "self_attn.o_proj.weight"])
             add(blk.w_gate_up, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
-                in_scale=sd[p + "post_attention_layernorm.weight"])
+                in_scale=sd[p + f"{cfg.mlp_norm_key}.weight"])
             add(blk.w_down, [p + "mlp.down_proj.weight"])
         add(self.lm_head, ["model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"])
         return out
@@ -374,17 +387,16 @@ class Transformer(nn.Module):
         """Give every block and the head their fast-mode weights (``model.fast``) from ``raw`` (as in
         ``attach_quantized``; values may be ``quant.LazyRaw``, read one projection at a time).  Returns ""
         on success, else why not (changing nothing): the whole model must be able to run in that mode:
-        every projection in a format the kernel reads, no q/k norm, no bias outside q/k/v, the head size a
-        multiple of 16.  ``pack(names, parts)``: a FastWeight already packed for those GGUF tensors (the
+        every projection in a format the kernel reads, no bias outside q/k/v, the head size a multiple of 16.  ``pack(names, parts)``: a FastWeight already packed for those GGUF tensors (the
         loader's cache), or None to repack them here."""
         cfg = self.cfg
         projections = self._gguf_projections(raw, sd)
         lins = [m for b in self.blocks for m in (b.wqkv, b.wo, b.w_gate_up, b.w_down)] + [self.lm_head]
         if not hasattr(torch.ops.specdraft_quant, "fast_block"):
             return "the CPU kernel could not be built"
-        if cfg.qk_norm or cfg.head_dim % 16 or any(b.wo.bias is not None or b.w_gate_up.bias is not None
-                                                   or b.w_down.bias is not None for b in self.blocks):
-            return "the architecture (q/k norm, head size or biases)"
+        if cfg.head_dim % 16 or any(b.wo.bias is not None or b.w_gate_up.bias is not None
+                                    or b.w_down.bias is not None for b in self.blocks):
+            return "the architecture (head size or biases)"
         missing = [m for m in lins if m not in projections]
         if missing:
             return "a projection has no quantized blocks"
@@ -403,17 +415,38 @@ class Transformer(nn.Module):
                 w = FastWeight.from_raw(*(p.load() for p in parts))
             return w, None if in_scale is None else in_scale.detach().float().contiguous()
 
+        def vec(name: str) -> Tensor:
+            return sd[name].detach().float().contiguous()
+
+        d = cfg.head_dim
         self._fast_weights = []
-        for b in self.blocks:
+        for i, b in enumerate(self.blocks):
             (qkv, s_attn), (o, _), (gu, s_mlp), (dn, _) = (fw(m) for m in (b.wqkv, b.wo, b.w_gate_up, b.w_down))
             bias = None if b.wqkv.bias is None else b.wqkv.bias.detach().float().contiguous()
             b.fast = (*qkv.args(), s_attn, bias, *o.args(), *gu.args(), s_mlp, *dn.args())
+            p = f"model.layers.{i}."
+            qk = None if not cfg.qk_norm else torch.cat([interleave_rope_rows(vec(p + f"self_attn.{n}_norm.weight"), d)
+                                                         for n in "qk"]).contiguous()  # [2D]: q's then k's, pair order
+            post = (vec(p + "post_attention_layernorm.weight"), vec(p + "post_feedforward_layernorm.weight")) \
+                if cfg.sandwich_norms else (None, None)
+            # fast_block's optional tail: q/k norm, out_rows, the sandwich norms, GeGLU, the attention scale (0: 1/sqrt(D))
+            b.fast_extra = (qk, -1, *post, cfg.activation == "gelu_tanh", cfg.query_scale or 0.0)
             self._fast_weights += [qkv, o, gu, dn]
         self._fast_head = fw(self.lm_head)[0]
         self._fast_names = [projections[m][2] for m in lins]  # GGUF tensors of each fast weight, in order
         self._fast_weights.append(self._fast_head)
-        self._rot_table = rotation_table(cfg.max_position, self.inv_freq)
+        self._rot_tables = {False: rotation_table(min(cfg.max_position, 4096), self.inv_freq)}  # per RoPE base (local: True); grown
+        if cfg.rope_local_theta is not None:
+            self._rot_tables[True] = rotation_table(min(cfg.max_position, 4096), self.local_inv_freq)
         return ""
+
+    @property
+    def local_inv_freq(self) -> Tensor:
+        """The sliding layers' RoPE inverse frequencies [D/2] (``rope_local_theta``; Gemma 3), made once."""
+        inv = getattr(self, "_local_inv_freq", None)
+        if inv is None or inv.device != self.inv_freq.device:
+            inv = self._local_inv_freq = rope_inv_freq(self.cfg.head_dim, self.cfg.rope_local_theta).to(self.inv_freq.device)
+        return inv
 
     @property
     def device(self) -> torch.device:
@@ -489,27 +522,42 @@ class Transformer(nn.Module):
         *,
         hidden_layers: tuple[int, ...] = (),
         logits: str = "all",
+        key_positions: Tensor | None = None,
     ) -> ForwardOutput:
         """Run ``tokens`` [B, T] at RoPE ``positions`` [B, T], writing their K/V to cache slots
         ``start .. start+T-1``.  ``mask`` [B, T, start+T] (True = may attend) covers every slot
         read; None means every slot is visible.  ``logits``: "all", "last", "none", or a 1-D index
-        tensor of the rows (of T) to give logits for.
+        tensor of the rows (of T) to give logits for.  ``key_positions`` [B or 1, start+T]: the position
+        of each slot's key, for the sliding layers' windows (None: the committed slots hold positions in
+        order up to the pass's first, as after a prefill with left padding; see ``windowed``).
         """
         if self.precision == "fast":
-            return self._forward_fast(tokens, positions, mask, cache, start, hidden_layers, logits)
+            return self._forward_fast(tokens, positions, mask, cache, start, hidden_layers, logits, key_positions)
+        cfg = self.cfg
         x = self.embed(tokens)  # [B, T, H]
-        rot = rope_rotation(positions, self.inv_freq)  # e^{i*pos*theta}: [B, T, 1, D/2]
-        mask4 = None
-        if mask is not None:  # bool [B, T, S] -> additive, once for all layers: [B, 1, G*T, S]
-            g = self.cfg.num_heads // self.cfg.num_kv_heads
-            mask4 = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~mask, float("-inf"))
-            mask4 = mask4[:, None].repeat(1, 1, g, 1) if g > 1 else mask4[:, None]
+        if cfg.embed_scale != 1.0:
+            x = x * cfg.embed_scale
+        rots = {False: rope_rotation(positions, self.inv_freq)}  # e^{i*pos*theta}: [B, T, 1, D/2], per RoPE base
+        if cfg.rope_local_theta is not None:
+            rots[True] = rope_rotation(positions, self.local_inv_freq)
+        masks = {None: mask} | {w: windowed(mask, positions, start, w, key_positions)
+                                for w in {cfg.window(i) for i in range(cfg.num_layers)} - {None}}
+        g = cfg.num_heads // cfg.num_kv_heads
+
+        def additive(m: Tensor | None) -> Tensor | None:  # bool [B, T, S] -> additive [B, 1, G*T, S], once per pass
+            if m is None:
+                return None
+            m4 = torch.zeros(m.shape, dtype=x.dtype, device=x.device).masked_fill_(~m, float("-inf"))
+            return m4[:, None].repeat(1, 1, g, 1) if g > 1 else m4[:, None]
+
+        masks4 = {w: additive(m) for w, m in masks.items()}
         hidden: dict[int, Tensor] = {}
         if 0 in hidden_layers:
             hidden[0] = x
         fused = self._fused_pass(x)  # the blocks as one C++ op each, called straight from here (no per-block Python)
-        op, cfg = (torch.ops.specdraft_quant.block, self.cfg) if fused else (None, None)
+        op = torch.ops.specdraft_quant.block if fused else None
         for i, (block, kv) in enumerate(zip(self.blocks, cache.layers)):
+            rot, mask4 = rots[cfg.local_rope(i)], masks4[cfg.window(i)]
             if fused:
                 x = op(x, *block.fused_args(), rot, mask4, kv, start, cfg.rms_eps, cfg.num_heads, cfg.num_kv_heads,
                        cfg.head_dim)
@@ -529,24 +577,31 @@ class Transformer(nn.Module):
         return ForwardOutput(logits=self.lm_head(x).float(), hidden=hidden)
 
     def _forward_fast(self, tokens: Tensor, positions: Tensor, mask: Tensor | None, cache: KVCache, start: int,
-                      hidden_layers: tuple[int, ...], logits: str) -> ForwardOutput:
+                      hidden_layers: tuple[int, ...], logits: str, key_positions: Tensor | None) -> ForwardOutput:
         """``forward`` in the fast precision mode (``model.fast``): every block one C++ op, every row's
         arithmetic its own, whatever the pass."""
         cfg, op = self.cfg, torch.ops.specdraft_quant
         x = self.embed(tokens)  # [B, T, H]: rows of the fp32 table, copied
+        if cfg.embed_scale != 1.0:
+            x = x * cfg.embed_scale
         need = int(positions.max()) + 1
-        have = self._rot_table.shape[0]
+        have = self._rot_tables[False].shape[0]
         if need > have:  # a tree past the context end: more rows, the ones there unchanged
-            self._rot_table = torch.cat([self._rot_table, rotation_table(max(need, 2 * have), self.inv_freq, start=have)])
-        rot = self._rot_table[positions.clamp(min=0)]  # [B, T, D/2, 2]: looked up, not computed per pass
+            for local, table in self._rot_tables.items():
+                inv = self.local_inv_freq if local else self.inv_freq
+                self._rot_tables[local] = torch.cat([table, rotation_table(max(need, 2 * have), inv, start=have)])
+        at = positions.clamp(min=0)
+        rots = {local: table[at] for local, table in self._rot_tables.items()}  # [B, T, D/2, 2]: looked up
         hidden: dict[int, Tensor] = {}
         if 0 in hidden_layers:
             hidden[0] = x
         if mask is not None and mask.shape[0] != tokens.shape[0]:  # one mask for every row of a batch, as SDPA broadcasts
             mask = mask.expand(tokens.shape[0], *mask.shape[1:])
+        masks = {None: mask} | {w: windowed(mask, positions, start, w, key_positions)
+                                for w in {cfg.window(i) for i in range(cfg.num_layers)} - {None}}
         for i, (block, kv) in enumerate(zip(self.blocks, cache.layers)):
-            x = op.fast_block(x, *block.fast, rot, mask, kv, start, cfg.rms_eps, cfg.num_heads, cfg.num_kv_heads,
-                              cfg.head_dim)
+            x = op.fast_block(x, *block.fast, rots[cfg.local_rope(i)], masks[cfg.window(i)], kv, start, cfg.rms_eps,
+                              cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, *block.fast_extra)
             if i + 1 in hidden_layers:
                 hidden[i + 1] = x
         head = (self.norm.weight, cfg.rms_eps, *self._fast_head.args())
@@ -578,7 +633,10 @@ class Transformer(nn.Module):
         for i, blk in enumerate(self.blocks):
             p = f"model.layers.{i}."
             attn_w = take(p + "input_layernorm.weight")  # folded: W diag(w)
-            mlp_w = take(p + "post_attention_layernorm.weight")
+            mlp_w = take(p + f"{cfg.mlp_norm_key}.weight")
+            if cfg.sandwich_norms:
+                blk.post_attn_norm.weight.copy_(take(p + "post_attention_layernorm.weight"))
+                blk.post_mlp_norm.weight.copy_(take(p + "post_feedforward_layernorm.weight"))
             d = cfg.head_dim
             q, k, v = (take(p + f"self_attn.{n}_proj.weight") for n in "qkv")
             qkv = torch.cat([interleave_rope_rows(q, d), interleave_rope_rows(k, d), v])
@@ -594,6 +652,22 @@ class Transformer(nn.Module):
             gate, up = take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")
             blk.w_gate_up.weight.copy_(torch.cat([gate, up], dim=0) * mlp_w[None, :])
             blk.w_down.weight.copy_(take(p + "mlp.down_proj.weight"))
+
+
+def windowed(mask: Tensor | None, positions: Tensor, start: int, window: int,
+             key_positions: Tensor | None = None) -> Tensor | None:
+    """``mask`` [B or 1, T, S] (None: all visible) narrowed to the keys a sliding layer's query sees: those
+    less than ``window`` positions behind it.  Key positions: ``key_positions`` [B or 1, S], else slot j <
+    ``start`` holds position j - (start - positions[b, 0]) (the committed slots in order up to the pass's
+    first position, left padding before them) and slot start + t the pass's own positions[b, t].  The mask
+    itself when every key is within the window."""
+    if key_positions is None:
+        first = positions[:, :1]  # [B, 1]
+        if int((positions.max() - (first - start).min())) < window:
+            return mask
+        key_positions = torch.cat([torch.arange(start, device=positions.device)[None] - (start - first), positions], 1)
+    near = key_positions[:, None, :] > positions[:, :, None] - window  # [B, T, S]
+    return near if mask is None else mask & near
 
 
 def causal_mask(t: int, start: int, device=None) -> Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import shutil
 import warnings
@@ -22,7 +23,7 @@ from gguf.quants import dequantize
 from safetensors.torch import load_file
 
 from specdraft.errors import SpecdraftError
-from specdraft.model.config import ModelConfig, check_int, check_positive
+from specdraft.model.config import GEMMA3_LOCAL_THETA, GEMMA3_SLIDING_PATTERN, ModelConfig, check_int, check_positive
 from specdraft.model.fast import PRECISIONS, q8_raw
 from specdraft.model import memory, packcache
 from specdraft.model.llama import BlockTable, Transformer, interleave_rope_rows, rope_inv_freq
@@ -163,6 +164,12 @@ _GGUF_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_GEMMA3_NAMES = _GGUF_NAMES | {  # Gemma 3's sandwich norms: HF's post_attention_layernorm is the one after attention
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3")  # GGUF general.architecture values read
 
 
 def keep_blocks(kind: str) -> bool:
@@ -170,9 +177,10 @@ def keep_blocks(kind: str) -> bool:
     return kind not in ("F32", "F16", "BF16", "F64")
 
 
-def _gguf_key(name: str) -> str | None:
+def _gguf_key(name: str, arch: str = "llama") -> str | None:
     """The Hugging Face name of a GGUF tensor, or None for one the model does not read (``rope_freqs`` is
     read apart)."""
+    layer_names = _GEMMA3_NAMES if arch == "gemma3" else _GGUF_NAMES
     parts = name.split(".")
     if parts[0] == "token_embd":
         return EMBED
@@ -180,8 +188,8 @@ def _gguf_key(name: str) -> str | None:
         return "model.norm.weight"
     if parts[0] == "output":
         return HEAD
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
     return None
 
 
@@ -209,7 +217,7 @@ def load_gguf(path: Path, name: str | None = None) -> LoadedWeights:
     g = GGUFFile(path)
     meta = g.get
     arch = meta("general.architecture")
-    if arch not in ("llama", "qwen2", "qwen3", "mistral"):
+    if arch not in ARCHS:
         raise SpecdraftError(f"{path}: unsupported GGUF architecture {arch!r}" if arch is not None else
                              f"{path}: no general.architecture in its metadata (not a model file?)")
 
@@ -231,7 +239,7 @@ def load_gguf(path: Path, name: str | None = None) -> LoadedWeights:
 
     names: dict[str, str] = {}  # HF name -> GGUF tensor name
     for t in g.tensors.values():
-        key = _gguf_key(t.name)
+        key = _gguf_key(t.name, arch)
         if key is not None:
             names[key] = t.name
     if EMBED not in names:
@@ -299,9 +307,9 @@ def load_gguf(path: Path, name: str | None = None) -> LoadedWeights:
         max_position=_positive(path, f"{arch}.context_length", meta(f"{arch}.context_length", 4096)),
         tie_embeddings=HEAD not in names,
         qkv_bias="model.layers.0.self_attn.q_proj.bias" in names,
-        qk_norm=arch == "qwen3",
         bos_token_id=bos if isinstance(bos, int) else None,
-        eos_token_ids=[int(eos)] if isinstance(eos, int) else [],
+        **{"qk_norm": arch == "qwen3", "eos_token_ids": [int(eos)] if isinstance(eos, int) else [],
+           **(_gemma3_gguf(path, meta, layers, hidden, heads, head_dim) if arch == "gemma3" else {})},
     )
     return LoadedWeights(
         name=name or str(meta("general.name") or path.stem),
@@ -317,6 +325,39 @@ def load_gguf(path: Path, name: str | None = None) -> LoadedWeights:
         rope_factors=rope_factors,
         model_hash=model_fingerprint(cfg, meta("tokenizer.ggml.tokens")),
     )
+
+
+def _gemma3_gguf(path: Path, meta, layers: int, hidden: int, heads: int, head_dim: int) -> dict:
+    """A Gemma 3 GGUF's ModelConfig fields beyond the Llama ones, with llama.cpp's defaults for what
+    the file leaves out: every 6th layer global, the others windowed with RoPE base 10000; the attention
+    scale 1/sqrt(head size) (1/sqrt(H / heads) for the 27B, 62 layers); its norm weights already hold
+    Gemma's 1 + w.  The chat turns end with <end_of_turn>, a stop token beside the file's EOS."""
+    cap = meta("gemma3.final_logit_softcapping")
+    if cap:
+        raise SpecdraftError(f"{path}: final logit soft-capping ({cap}) is not supported")
+    window = meta("gemma3.attention.sliding_window")
+    types = None
+    if window:
+        window = _positive(path, "gemma3.attention.sliding_window", window)
+        pattern = meta("gemma3.attention.sliding_window_pattern", GEMMA3_SLIDING_PATTERN)
+        if isinstance(pattern, list):  # one flag per layer: windowed or not
+            if len(pattern) != layers:
+                raise SpecdraftError(f"{path}: gemma3.attention.sliding_window_pattern has {len(pattern)} entries "
+                                     f"for {layers} layers")
+            types = ["sliding" if p else "full" for p in pattern]
+        else:
+            pattern = _positive(path, "gemma3.attention.sliding_window_pattern", pattern)
+            types = ["full" if (i + 1) % pattern == 0 else "sliding" for i in range(layers)]
+    local = _float(path, "gemma3.rope.freq_base_swa", meta("gemma3.rope.freq_base_swa"), GEMMA3_LOCAL_THETA)
+    scale = (hidden // heads if layers == 62 else head_dim) ** -0.5
+    tokens = meta("tokenizer.ggml.tokens") or []
+    eos = meta("tokenizer.ggml.eos_token_id")
+    stops = [int(eos)] if isinstance(eos, int) else []
+    if "<end_of_turn>" in tokens:
+        stops.append(tokens.index("<end_of_turn>"))
+    return {"sliding_window": window or None, "layer_types": types, "rope_local_theta": local if window else None,
+            "activation": "gelu_tanh", "embed_scale": math.sqrt(hidden), "sandwich_norms": True, "qk_norm": True,
+            "query_scale": scale, "eos_token_ids": stops}
 
 
 def cached_file_hash(path: Path) -> str:
@@ -371,6 +412,8 @@ def load_hf_folder(path: Path) -> LoadedWeights:
             raise SpecdraftError(f"cannot read weights {f}: {e}") from None
     if "lm_head.weight" not in sd and not cfg.tie_embeddings:
         cfg.tie_embeddings = True
+    if cfg.arch == "gemma3":  # Gemma's RMSNorm scales by 1 + w: held as that product, as a GGUF stores it
+        sd = {k: v + 1.0 if k.endswith("norm.weight") else v for k, v in sd.items()}
     return LoadedWeights(
         name=hf.get("_name_or_path") or path.name,
         config=cfg,
@@ -479,7 +522,8 @@ def _build_fast_only(w: LoadedWeights) -> tuple[Transformer | None, str]:
                 d = cfg.head_dim
                 b.wqkv.bias = nn.Parameter(torch.cat([interleave_rope_rows(qb, d), interleave_rope_rows(kb, d), vb]),
                                            requires_grad=False)
-            for n in ("input_layernorm", "post_attention_layernorm"):
+            norms = ["input_layernorm", cfg.mlp_norm_key] + (["self_attn.q_norm", "self_attn.k_norm"] if cfg.qk_norm else [])
+            for n in norms + (["post_attention_layernorm", "post_feedforward_layernorm"] if cfg.sandwich_norms else []):
                 if p + f"{n}.weight" not in v:
                     raise KeyError(p + f"{n}.weight")
     except KeyError as e:
@@ -555,7 +599,7 @@ def check_memory(w: LoadedWeights, fast_only: bool) -> None:
 def load_tokenizer(w: LoadedWeights):
     """The target's tokenizer (with its chat template) as a ``model.tokenizer.Tokenizer``.  A GGUF's is
     converted by transformers once and cached by the file's hash; an HF folder's is read in place."""
-    from specdraft.model.tokenizer import WRAP_FILE, Tokenizer, chat_wrap
+    from specdraft.model.tokenizer import GEMMA_CHAT_TEMPLATE, TEMPLATE_FILE, WRAP_FILE, Tokenizer, chat_wrap
 
     src, kwargs = w.tokenizer_source
     cached = cache_dir() / "tokenizers" / w.weight_hash[:16]  # a GGUF's converted tokenizer; any target's chat wrap
@@ -568,6 +612,10 @@ def load_tokenizer(w: LoadedWeights):
         folder = cached
         if not (folder / "tokenizer_config.json").is_file():
             hf = _convert_tokenizer(src, kwargs, folder)
+        if w.config.arch == "gemma3" and not w.gguf.get("tokenizer.chat_template") and not (folder / TEMPLATE_FILE).is_file():
+            (folder / TEMPLATE_FILE).write_text(GEMMA_CHAT_TEMPLATE)  # the file has none: Gemma's turns
+            (cached / WRAP_FILE).unlink(missing_ok=True)
+            hf = None  # converted before the template was there
     wrap = cached / WRAP_FILE
     if not wrap.is_file():  # rendered once (transformers), then read
         cached.mkdir(parents=True, exist_ok=True)

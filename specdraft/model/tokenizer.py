@@ -20,6 +20,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 WRAP_FILE = "chat.json"
+TEMPLATE_FILE = "chat_template.jinja"  # a folder's chat template (read before tokenizer_config.json's)
+# Gemma's turn format, for a Gemma GGUF that carries no template: system text opens the next user turn,
+# each turn is <start_of_turn>user|model, its text, <end_of_turn>; the prompt ends with the model's turn.
+GEMMA_CHAT_TEMPLATE = (
+    '{{- bos_token -}}{%- set ns = namespace(system="") -%}'
+    '{%- for message in messages -%}'
+    '{%- if message["role"] == "system" -%}{%- set ns.system = ns.system + message["content"] | trim + "\n\n" -%}'
+    '{%- else -%}'
+    '{{- "<start_of_turn>" + ("model" if message["role"] == "assistant" else "user") + "\n" -}}'
+    '{%- if message["role"] != "assistant" -%}{{- ns.system -}}{%- set ns.system = "" -%}{%- endif -%}'
+    '{{- message["content"] | trim + "<end_of_turn>\n" -}}'
+    '{%- endif -%}{%- endfor -%}'
+    '{%- if add_generation_prompt -%}{{- "<start_of_turn>model\n" -}}{%- endif -%}')
 _MARKERS = ("specdraft-marker", " two  words\n\nand lines ", "<b>{{ x }}</b> \\n ")  # contents the wrap must hold for
 
 
@@ -84,7 +97,7 @@ class Tokenizer:
         self.folder = Path(folder)
         self._tk = Backend.from_file(str(self.folder / "tokenizer.json"))
         cfg = json.loads((self.folder / "tokenizer_config.json").read_text())
-        template = self.folder / "chat_template.jinja"
+        template = self.folder / TEMPLATE_FILE
         self.chat_template = template.read_text() if template.is_file() else cfg.get("chat_template")
         eos = _token_text(cfg.get("eos_token"))
         self.eos_token_id = None if eos is None else self._tk.token_to_id(eos)

@@ -21,6 +21,7 @@ PY=${PYTHON:-.venv/bin/python}
 BIN=$(bash "$(dirname "$0")/build_llamacpp.sh" | tail -1)
 for f in $(bash "$(dirname "$0")/requantize_default.sh"); do
   t=$(basename "$f" .gguf); t=${t##*.}
+  "$(dirname "$PY")/specdraft" prepare --target "$f" >/dev/null  # packed weights and the cost curve, once per file
   "$(dirname "$PY")/specdraft" bench --target "$f" --llama-cpp "$BIN" --no-hf --no-llamacpp-ngram \
     --drafter none --drafter ngram --drafter phrase \
     "${DS[@]}" --n "$N" --max-new-tokens "$MAX_NEW" --quiet --out "$OUT/$t"

@@ -1,14 +1,17 @@
-"""specdraft's server beside vLLM's CPU build on the same prompts, plain and speculative, at 1 and N clients.
+"""specdraft's server beside vLLM's CPU build and llama-server on the same prompts, plain and speculative,
+at 1 and N clients.
 
 Each configuration is one server started here (ours: ``specdraft serve --max-batch N``; vLLM:
-``python -m vllm.entrypoints.openai.api_server`` from its own environment), warmed with one request,
+``python -m vllm.entrypoints.openai.api_server`` from its own environment; llama-server on the default
+GGUF with N slots, plain and with its n-gram drafter), warmed with one request,
 then sent the prompts as token ids (our target's chat template, so both get the same ids) to
 ``/v1/completions``, greedy, ``--max-new-tokens`` each, from 1 and from N client threads.  Per run:
 aggregate tok/s (tokens / wall), mean per-request tok/s, tokens per target pass (ours: the responses'
-``passes``; vLLM: its ``/metrics`` counters, 1 + accepted / drafts) and each answer's text.
+``passes``; vLLM: its ``/metrics`` counters, 1 + accepted / drafts; llama-server: its responses' timings,
+tokens / (tokens - accepted drafts)) and each answer's text.
 
     python scripts/serve_peers.py --vllm-python ENV/bin/python --target-hf TARGET_HF \\
-        --eagle3-hf EAGLE3_HF --dflash-hf DFLASH_HF --out docs/results/serve_peers
+        --eagle3-hf EAGLE3_HF --dflash-hf DFLASH_HF --llama-cpp BIN_DIR --out docs/results/serve_peers
 
 ``specdraft export-target`` / ``export eagle3|dflash --format ...`` write the three folders; vLLM serves
 the target folder and our exports.  A configuration that fails to start is recorded with its log's
@@ -32,7 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from specdraft.bench.llamacpp import _free_port  # noqa: E402  (one free-port helper for every peer server)
+from specdraft.bench.llamacpp import _free_port, find_binaries, ngram_args  # noqa: E402
+from specdraft.model.load import default_gguf_path  # noqa: E402
 from specdraft.datasets import load_prompts  # noqa: E402
 from specdraft.target import Target  # noqa: E402
 
@@ -88,7 +92,9 @@ class Server:
         self.f.close()
 
 
-def run_clients(url: str, model: str, prompts: list[list[int]], max_new: int, clients: int, vllm: bool) -> dict:
+def run_clients(url: str, model: str, prompts: list[list[int]], max_new: int, clients: int, kind: str) -> dict:
+    """``kind``: "specdraft", "vllm" or "llamacpp" (where each says how many passes it ran)."""
+    vllm = kind == "vllm"
     def one(ids):
         body = {"model": model, "prompt": ids, "max_tokens": max_new, "temperature": 0.0}
         t0 = time.perf_counter()
@@ -110,8 +116,13 @@ def run_clients(url: str, model: str, prompts: list[list[int]], max_new: int, cl
         acc = after["num_accepted_tokens"] - before["num_accepted_tokens"]
         out["tokens_per_pass"] = 1 + acc / drafts if drafts else 1.0
     else:
-        passes = sum(js["usage"].get("passes", n) for (js, _), n in zip(res, tokens))
-        out["tokens_per_pass"] = sum(tokens) / passes if passes else 1.0
+        def passes(js: dict, n: int) -> int:
+            if kind == "llamacpp":  # one pass per token not accepted from a draft
+                return n - int((js.get("timings") or {}).get("draft_n_accepted", 0))
+            return js["usage"].get("passes", n)
+
+        total = sum(passes(js, n) for (js, _), n in zip(res, tokens))
+        out["tokens_per_pass"] = sum(tokens) / total if total else 1.0
     return out
 
 
@@ -121,6 +132,7 @@ def main() -> int:
     ap.add_argument("--target-hf", required=True, help="`specdraft export-target --out DIR`")
     ap.add_argument("--eagle3-hf", help="`specdraft export eagle3 --format eagle3 --out DIR`")
     ap.add_argument("--dflash-hf", help="`specdraft export dflash --format dflash --out DIR`")
+    ap.add_argument("--llama-cpp", help="folder with llama-server (scripts/build_llamacpp.sh): adds its rows")
     ap.add_argument("--dataset", action="append", default=None, help="prompt sets (default: docs/prompts/fresh2_*)")
     ap.add_argument("--n", type=int, default=2, help="prompts per dataset")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -147,39 +159,51 @@ def main() -> int:
 
     ours = [sys.executable, "-m", "specdraft.cli", "serve", "--max-batch", str(max(clients)), "--quiet"]
     configs = {
-        "specdraft": (ours + ["--drafter", "none"], env, False),
-        "specdraft_ngram": (ours + ["--drafter", "ngram"], env, False),
-        "specdraft_eagle3": (ours + ["--drafter", "eagle3"], env, False),
-        "specdraft_dflash": (ours + ["--drafter", "dflash"], env, False),
-        "vllm": (vllm_base, venv, True),
+        "specdraft": (ours + ["--drafter", "none"], env, "specdraft"),
+        "specdraft_ngram": (ours + ["--drafter", "ngram"], env, "specdraft"),
+        "specdraft_eagle3": (ours + ["--drafter", "eagle3"], env, "specdraft"),
+        "specdraft_dflash": (ours + ["--drafter", "dflash"], env, "specdraft"),
+        "vllm": (vllm_base, venv, "vllm"),
         "vllm_ngram": (vllm_base + spec({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-                                         "prompt_lookup_min": 2}), venv, True),
+                                         "prompt_lookup_min": 2}), venv, "vllm"),
     }
     if a.eagle3_hf:
         configs["vllm_eagle3"] = (vllm_base + spec({"method": "eagle3", "model": a.eagle3_hf,
-                                                    "num_speculative_tokens": 4}), venv, True)
+                                                    "num_speculative_tokens": 4}), venv, "vllm")
     if a.dflash_hf:
         configs["vllm_dflash"] = (vllm_base + spec({"method": "dflash", "model": a.dflash_hf,
-                                                    "num_speculative_tokens": 7}), venv, True)
+                                                    "num_speculative_tokens": 7}), venv, "vllm")
+    if a.llama_cpp:  # the default GGUF, one slot per client (each slot 1,024 tokens of context)
+        bins = find_binaries(a.llama_cpp)
+        n = max(clients)
+        base = [str(bins.server), "-m", str(default_gguf_path()), "--threads", str(a.threads), "--threads-batch",
+                str(a.threads), "--host", "127.0.0.1", "-c", str(1024 * n), "--parallel", str(n), "--no-webui"]
+        configs["llamacpp"] = (base, env, "llamacpp")
+        configs["llamacpp_ngram"] = (base + ngram_args(), env, "llamacpp")
     only = {c for c in a.only.split(",") if c}
     path = out / "results.json"
     results = json.loads(path.read_text()) if path.is_file() else {}
     results["config"] = {"datasets": datasets, "n": a.n, "max_new_tokens": a.max_new_tokens, "clients": clients,
                          "threads": a.threads, "prompts": len(prompts), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    for name, (cmd, cenv, is_vllm) in configs.items():
+    warm = target.encode_prompt("Say hello.")  # not one of the prompts
+    for name, (cmd, cenv, kind) in configs.items():
         if only and name not in only:
             continue
-        port = _free_port()
-        cmd = cmd + ["--port", str(port)]
         print(f"{name}: starting", flush=True)
-        t0 = time.time()
+        # llama-server's n-gram pool keeps every answer it gave (bench.llamacpp.ngram_args): a fresh server
+        # for each client count, so no run drafts from another's answers
+        groups = [[c] for c in clients] if kind == "llamacpp" else [clients]
         try:
-            with Server(cmd, cenv, port, out / f"{name}.log") as srv:
-                start_s = time.time() - t0
-                model = _model_id(srv.url)
-                run_clients(srv.url, model, prompts[:1], a.max_new_tokens, 1, is_vllm)  # warm
-                runs = [run_clients(srv.url, model, prompts, a.max_new_tokens, c, is_vllm) for c in clients]
-            results[name] = {"start_s": start_s, "runs": runs}
+            runs, start_s = [], None
+            for group in groups:
+                port, t0 = _free_port(), time.time()
+                with Server(cmd + ["--port", str(port)], cenv, port, out / f"{name}.log") as srv:
+                    start_s = start_s if start_s is not None else time.time() - t0
+                    model = _model_id(srv.url)
+                    run_clients(srv.url, model, [warm], a.max_new_tokens, 1, kind)
+                    runs += [run_clients(srv.url, model, prompts, a.max_new_tokens, c, kind) for c in group]
+            results[name] = {"start_s": start_s, "runs": runs, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                             "warm": "Say hello."}
             print(f"{name}: " + ", ".join(f"{r['clients']} clients {r['tok_s']:.1f} tok/s ({r['tokens_per_pass']:.2f} "
                                           "tokens/pass)" for r in runs), flush=True)
         except Exception as e:  # noqa: BLE001 -- a peer that fails is a result: what failed, and its log

@@ -243,3 +243,34 @@ def test_a_model_that_does_not_fit_is_refused_in_one_line(small_gguf, capsys, mo
     monkeypatch.setenv("SPECDRAFT_MEMORY_CHECK", "0")
     memory.check("x", "fast", 1 << 50, "everything")  # skipped
 
+
+
+def test_a_bias_outside_q_k_v_is_refused_not_dropped(tmp_path):
+    """The decoder has biases on q/k/v only: a model with one on W_o (Llama's or Qwen3's attention_bias,
+    a GGUF's attn_output.bias) is refused in one line instead of loading without it."""
+    import dataclasses
+
+    from conftest import TINY
+    from specdraft.model.gguf_write import write_gguf
+
+    with pytest.raises(SpecdraftError, match="attention_bias on a llama model"):
+        ModelConfig.from_hf(dict(TINY["llama"], attention_bias=True))
+    assert ModelConfig.from_hf(dict(TINY["qwen2"], attention_bias=True)).qkv_bias  # Qwen2's: q/k/v only
+    cfg = dataclasses.replace(ModelConfig.from_hf(TINY["llama"]), tie_embeddings=True)
+    g = torch.Generator().manual_seed(0)
+    h, d = cfg.hidden_size, cfg.head_dim
+    sd = {"model.embed_tokens.weight": torch.randn(cfg.vocab_size, h, generator=g), "model.norm.weight": torch.ones(h)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        for n, shape in (("self_attn.q_proj", (cfg.num_heads * d, h)), ("self_attn.k_proj", (cfg.num_kv_heads * d, h)),
+                         ("self_attn.v_proj", (cfg.num_kv_heads * d, h)), ("self_attn.o_proj", (h, cfg.num_heads * d)),
+                         ("mlp.gate_proj", (cfg.intermediate_size, h)), ("mlp.up_proj", (cfg.intermediate_size, h)),
+                         ("mlp.down_proj", (h, cfg.intermediate_size))):
+            sd[p + n + ".weight"] = torch.randn(*shape, generator=g) * 0.1
+        sd[p + "input_layernorm.weight"] = sd[p + "post_attention_layernorm.weight"] = torch.ones(h)
+    write_gguf(tmp_path / "ok.gguf", cfg, sd, lambda n, t: "Q8_0")
+    assert load_weights(str(tmp_path / "ok.gguf")).config.num_layers == cfg.num_layers
+    sd["model.layers.1.self_attn.o_proj.bias"] = torch.zeros(h)
+    write_gguf(tmp_path / "obias.gguf", cfg, sd, lambda n, t: "Q8_0")
+    with pytest.raises(SpecdraftError, match=r"blk\.1\.attn_output\.bias \(a bias outside q/k/v\)"):
+        load_weights(str(tmp_path / "obias.gguf"))

@@ -126,6 +126,9 @@ class ModelConfig:
             raise SpecdraftError(f"config.json: {heads} attention heads cannot share {kv} key/value heads evenly")
         if not hf.get("head_dim") and hf["hidden_size"] % heads:
             raise SpecdraftError(f"config.json: hidden_size {hf['hidden_size']} is not a multiple of {heads} heads")
+        if hf.get("attention_bias") and arch != "qwen2":  # Qwen2's bias is on q/k/v only; the others' on W_o too
+            raise SpecdraftError(f"config.json: attention_bias on a {arch} model puts a bias on the attention's output "
+                                 "projection, which specdraft does not support")
         rope = hf.get("rope_parameters") or {}
         gemma = _gemma3_fields(hf) if arch == "gemma3" else {}
         if gemma:

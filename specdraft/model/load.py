@@ -242,6 +242,10 @@ def load_gguf(path: Path, name: str | None = None) -> LoadedWeights:
         key = _gguf_key(t.name, arch)
         if key is not None:
             names[key] = t.name
+    extra = next((gname for key, gname in names.items()
+                  if key.endswith(".bias") and ("self_attn.o_proj" in key or ".mlp." in key)), None)
+    if extra is not None:  # the decoder has biases on q/k/v only
+        raise SpecdraftError(f"{path}: tensor {extra} (a bias outside q/k/v) is not supported")
     if EMBED not in names:
         raise SpecdraftError(f"{path}: no tensor token_embd.weight (the file holds {len(g.tensors)} tensors)")
     embd = g.tensors[names[EMBED]]

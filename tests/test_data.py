@@ -106,7 +106,8 @@ def test_no_benchmark_prompt_in_training_prompts(monkeypatch):
     # plant benchmark prompts among the generated training prompts: they must be dropped
     real = P.gsm_train_prompts
     monkeypatch.setattr(P, "gsm_train_prompts",
-                        lambda n: [Prompt(0, "gsm", eval_gsm[0], 1000), Prompt(0, "gsm", "  " + eval_gsm[1].upper(), 1000)] + real(n))
+                        lambda n, seed=1000: [Prompt(0, "gsm", eval_gsm[0], 1000),
+                                              Prompt(0, "gsm", "  " + eval_gsm[1].upper(), 1000)] + real(n, seed))
     prompts = collect_prompts(None, 120, sources=("gsm", "reasoning", "codeio"), quiet=True)
     assert len(prompts) >= 100
     assert {p.source for p in prompts} == {"gsm", "reasoning", "codeio"}
@@ -154,3 +155,107 @@ def test_features_match_single_sequence_forward(tiny_chat_target):
     single = D.compute_features(tiny_chat_target, seqs[1:], (1, FINAL))
     assert torch.allclose(fb.hidden[FINAL][1, :3], single.hidden[FINAL][0], atol=1e-5)
     assert D.feature_cache_bytes(seqs, (1, FINAL), 64) == 8 * 2 * 64 * 2
+
+
+# ---------------------------------------------------------------------------- the broad mix
+
+
+def test_mix_held_out_part_shares_nothing_with_training():
+    from specdraft.train import mix
+
+    for table in (mix.TOPICS, mix.WRITING_TASKS, mix.FOLLOWUPS, mix.CODE_TASKS, mix.REASONING_TASKS):
+        assert table["train"] and table["heldout"] and not set(table["train"]) & set(table["heldout"])
+    train = mix.code_prompts(300, seed=1, split="train")
+    held = mix.code_prompts(60, seed=1, split="heldout")
+    code = lambda t: t.split("\n\n", 1)[1]  # the program or task the instruction is about
+    assert not {code(t) for t in train} & {code(t) for t in held}
+    assert mix.code_prompts(5, seed=1) == train[:5] and mix.code_prompts(5, seed=2) != train[:5]
+    assert len(mix.reasoning_mix(12, seed=3, split="heldout")) == 12
+    with pytest.raises(SpecdraftError, match="unknown split"):
+        mix.code_prompts(1, seed=1, split="test")
+
+
+@pytest.fixture
+def scripted_sampling(monkeypatch):
+    """The mix's sampled texts replaced by numbered sentences: collection runs without a real target's
+    sampling, and each text says which prefix it answered."""
+    from specdraft.train import mix
+
+    calls = []
+
+    def fake(target, prefixes, max_new_tokens, seed, temperature=0.9, desc="", quiet=False, batch_size=32):
+        calls.append((desc, len(prefixes), temperature))
+        return [(f"reply {seed} {desc} {i}: the answer is a full sentence, long enough to be a passage. It has more.", True)
+                for i in range(len(prefixes))]
+
+    monkeypatch.setattr(mix, "sample_texts", fake)
+    return calls
+
+
+def test_collect_the_mix(tiny_chat_target, scripted_sampling):
+    from specdraft.train.prompts import MIX, MIX_SOURCES, SAMPLED_TEMPERATURE
+
+    prompts = collect_prompts(tiny_chat_target, 60, MIX, quiet=True, seed=5, sampled=0.5)
+    assert {p.source for p in prompts} == set(MIX)
+    assert len({p.key for p in prompts}) == len(prompts) and [p.id for p in prompts] == list(range(len(prompts)))
+    for p in prompts:
+        if p.source == "followup":  # a question, the target's greedy answer, a follow-up
+            assert [m["role"] for m in p.messages] == ["user", "assistant", "user"] and p.text == p.messages[-1]["content"]
+            assert p.encode(tiny_chat_target) == tiny_chat_target.encode_messages(p.messages)
+        else:
+            assert p.messages is None and p.encode(tiny_chat_target) == tiny_chat_target.encode_prompt(p.text)
+    assert any(d == "first answers" and t == 0.0 for d, _, t in scripted_sampling)  # the answers are greedy
+    temps = [p.temperature for p in prompts]
+    assert set(temps) == {0.0, SAMPLED_TEMPERATURE} and 0.25 < temps.count(SAMPLED_TEMPERATURE) / len(temps) < 0.75
+    again = collect_prompts(tiny_chat_target, 60, MIX, quiet=True, seed=5, sampled=0.5)
+    assert [p.to_dict() for p in again] == [p.to_dict() for p in prompts]  # seeded
+    held = collect_prompts(tiny_chat_target, 20, MIX_SOURCES, quiet=True, seed=5, split="heldout")
+    assert {p.source for p in held} == set(MIX_SOURCES)
+    with pytest.raises(SpecdraftError, match="held-out build takes only"):
+        collect_prompts(tiny_chat_target, 20, ("gsm", "topics"), quiet=True, split="heldout")
+
+
+def test_build_samples_its_sampled_share_reproducibly(tiny_chat_target, tmp_path):
+    from specdraft.train.prompts import SAMPLED_TEMPERATURE
+
+    conv = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
+            {"role": "user", "content": "Another one?"}]
+    prompts = [Prompt(i, "topics", f"Tell me about the number {i}.", 1000,
+                      temperature=SAMPLED_TEMPERATURE if i % 2 else 0.0) for i in range(6)]
+    prompts.append(Prompt(6, "followup", conv[-1]["content"], 1000, messages=conv))
+    cfg = D.BuildConfig(n_prompts=7, max_new_tokens=12, batch_size=2, shard_size=4, sources=("topics",), seed=3)
+    a = D.build_data(tiny_chat_target, tmp_path / "a", cfg, quiet=True, prompts=[Prompt(**p.to_dict()) for p in prompts])
+    b = D.build_data(tiny_chat_target, tmp_path / "b", cfg, quiet=True, prompts=[Prompt(**p.to_dict()) for p in prompts])
+    sa, sb = D.load_sequences(tmp_path / "a"), D.load_sequences(tmp_path / "b")
+    assert sa == sb and a["config"]["seed"] == 3  # the same seed, the same sampled responses
+    assert sa[6].tokens[: sa[6].prompt_len] == tiny_chat_target.encode_messages(conv)
+    back = D.read_prompts(tmp_path / "a" / D.PROMPTS)
+    assert [p.temperature for p in back] == [p.temperature for p in prompts] and back[6].messages == conv
+    greedy = D.build_data(tiny_chat_target, tmp_path / "g", cfg, quiet=True,
+                          prompts=[Prompt(**{**p.to_dict(), "temperature": 0.0}) for p in prompts])
+    sg = D.load_sequences(tmp_path / "g")
+    assert [x.tokens for x in sg[::2]] == [x.tokens for x in sa[::2]]  # greedy rows do not depend on the sampled ones
+    assert any(x.tokens != y.tokens for x, y in zip(sg[1::2], sa[1::2]))  # the sampled rows are sampled
+    assert greedy["sequences"] == 7
+
+
+def test_a_default_build_records_no_new_config_fields():
+    cfg = D.BuildConfig().record()
+    assert not {"seed", "split", "sampled"} & set(cfg)
+    assert D.BuildConfig(seed=4, sampled=0.2).record()["sampled"] == 0.2
+
+
+def test_replay_reads_a_data_folders_greedy_responses(tiny_chat_target, tmp_path):
+    from specdraft.bench.acceptance import data_folder_outputs
+    from specdraft.replay import greedy_outputs
+    from specdraft.train.prompts import SAMPLED_TEMPERATURE
+
+    prompts = [Prompt(i, "topics", f"Say something about {i}.", 1000, temperature=SAMPLED_TEMPERATURE if i == 1 else 0.0)
+               for i in range(5)]
+    cfg = D.BuildConfig(n_prompts=5, max_new_tokens=12, batch_size=3, shard_size=2, sources=("topics",))
+    D.build_data(tiny_chat_target, tmp_path, cfg, quiet=True, prompts=prompts)
+    for limit in (12, 5):
+        ids, outs = data_folder_outputs(tiny_chat_target, tmp_path, 10, limit)
+        assert len(ids) == 4  # the sampled response is left out
+        assert ids == [p.encode(tiny_chat_target) for p in prompts if p.temperature == 0.0]
+        assert outs == greedy_outputs(tiny_chat_target, ids, limit)

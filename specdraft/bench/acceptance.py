@@ -19,6 +19,27 @@ from specdraft.errors import SpecdraftError
 from specdraft.replay import greedy_outputs, predicted_speedup, simulate_dataset
 
 
+def data_folder_outputs(target, data_dir: str | Path, n: int, max_new_tokens: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompts, greedy outputs) of the first ``n`` greedy responses a data build holds (``specdraft data
+    build``; its sampled responses are left out), each cut to ``max_new_tokens``, EOS kept where the
+    response ended within them: the same as ``greedy_outputs`` would regenerate, without regenerating."""
+    from specdraft.train.data import PROMPTS, check_data_target, load_sequences, read_manifest, read_prompts
+
+    manifest = read_manifest(Path(data_dir))
+    check_data_target(manifest, target, data_dir)
+    if manifest.get("precision", "exact") != target.precision:
+        raise SpecdraftError(f"{data_dir} holds responses of the {manifest.get('precision', 'exact')} precision mode; "
+                             f"replay it with --precision {manifest.get('precision', 'exact')}")
+    temps = [p.temperature for p in read_prompts(Path(data_dir) / PROMPTS)]
+    greedy = [s for s in load_sequences(data_dir) if temps[s.prompt_id] == 0.0][:n]
+    if not greedy:
+        raise SpecdraftError(f"{data_dir} holds no greedy responses yet")
+    eos = min(target.eos_ids)
+    outs = [s.response[:max_new_tokens] + ([eos] if s.finished and len(s.response) < max_new_tokens else [])
+            for s in greedy]
+    return [s.tokens[: s.prompt_len] for s in greedy], outs
+
+
 def acceptance_sweep(target, drafters: list[str], datasets: list[str], n: int, max_new_tokens: int,
                      budgets: list[int], out_dir: str | Path, quiet: bool = False,
                      cache_dir: str | Path | None = None) -> dict:
@@ -41,9 +62,12 @@ def acceptance_sweep(target, drafters: list[str], datasets: list[str], n: int, m
                             "target_hash": target.weight_hash, "method": "offline replay of greedy output"},
                  "datasets": {}}
     for ds in datasets:
-        prompts = [target.encode_prompt(p) for p in load_prompts(ds, n)]
-        outs = greedy_outputs(target, prompts, max_new_tokens, cache=Path(cache_dir or out / "greedy_outputs") / f"{Path(ds).stem}.json",
-                              quiet=quiet)
+        if (Path(ds) / "manifest.json").is_file():
+            prompts, outs = data_folder_outputs(target, ds, n, max_new_tokens)
+        else:
+            prompts = [target.encode_prompt(p) for p in load_prompts(ds, n)]
+            outs = greedy_outputs(target, prompts, max_new_tokens, quiet=quiet,
+                                  cache=Path(cache_dir or out / "greedy_outputs") / f"{Path(ds).stem}.json")
         dms: dict = {}
         each: dict = {}
         res["datasets"][ds] = simulate_dataset(target, made, prompts, outs, budgets, quiet=quiet, draft_ms=dms,

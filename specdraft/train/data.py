@@ -36,7 +36,8 @@ from tqdm import tqdm
 from specdraft.errors import SpecdraftError
 from specdraft.model.batched_decode import generate_batch
 from specdraft.model.llama import causal_mask
-from specdraft.train.prompts import SOURCES, TRAIN_SEED_BASE, Prompt, collect_prompts, normalize
+from specdraft.train.prompts import DEFAULT_SOURCES, TRAIN_SEED_BASE, Prompt, collect_prompts
+from specdraft.verify import Sampling
 
 MANIFEST = "manifest.json"
 PROMPTS = "prompts.jsonl"
@@ -53,12 +54,24 @@ def project_version() -> str:
 class BuildConfig:
     n_prompts: int = 3000  # prompts collected across the sources
     max_new_tokens: int = 256  # response length cap
-    sources: tuple[str, ...] = SOURCES  # prompt sources (see train/prompts.py)
+    sources: tuple[str, ...] = DEFAULT_SOURCES  # prompt sources (see train/prompts.py)
     batch_size: int = 32  # rows decoded together
     shard_size: int = 256  # sequences per shard file
     max_prompt_tokens: int = 512  # longer prompts (chat template included) are dropped: prefill is quadratic
     magpie_seed: int = TRAIN_SEED_BASE  # sampling seed of the magpie instructions
     exclude: tuple[str, ...] = ()  # data folders whose prompts this build must not repeat
+    seed: int = TRAIN_SEED_BASE  # seed of the gsm problems, the broad mix's sources and the sampled responses
+    split: str = "train"  # the broad mix's part: "train" or "heldout" (sources no training build uses)
+    sampled: float = 0.0  # share of the prompts whose response is sampled (T=0.7) instead of greedy
+
+    def record(self) -> dict:
+        """The config as a manifest stores it: the fields added after the first builds only where they
+        are not their default, so a rebuild of an older folder has the same manifest (and data hash)."""
+        d = {**asdict(self), "sources": list(self.sources), "exclude": list(self.exclude)}
+        for k in ("seed", "split", "sampled"):
+            if d[k] == BuildConfig.__dataclass_fields__[k].default:
+                del d[k]
+        return d
 
 
 @dataclass
@@ -150,7 +163,8 @@ def build_data(target, out_dir: str | Path, cfg: BuildConfig | None = None, quie
             raise SpecdraftError(f"{out} holds responses decoded in the {built} precision mode; resume it with "
                                  f"--precision {built} (the loaded target runs {target.precision})")
         prompts = read_prompts(ppath)
-        cfg = BuildConfig(**{**asdict(cfg), **manifest["config"], "sources": tuple(manifest["config"]["sources"]),
+        fresh = {k: BuildConfig.__dataclass_fields__[k].default for k in ("seed", "split", "sampled")}
+        cfg = BuildConfig(**{**asdict(cfg), **fresh, **manifest["config"], "sources": tuple(manifest["config"]["sources"]),
                              "exclude": tuple(manifest["config"].get("exclude", ()))})
     else:
         if prompts is not None:  # given prompts are used as they are
@@ -161,18 +175,18 @@ def build_data(target, out_dir: str | Path, cfg: BuildConfig | None = None, quie
                 opath = Path(other) / PROMPTS
                 if not opath.is_file():
                     raise SpecdraftError(f"--exclude {other}: no {PROMPTS} there (not a data folder)")
-                exclude |= {normalize(p.text) for p in read_prompts(opath)}
+                exclude |= {p.key for p in read_prompts(opath)}
             prompts = collect_prompts(target, cfg.n_prompts, cfg.sources, quiet=quiet, magpie_seed=cfg.magpie_seed,
-                                      exclude=exclude)
+                                      exclude=exclude, seed=cfg.seed, split=cfg.split, sampled=cfg.sampled)
         n_before = len(prompts)
-        prompts = [p for p in prompts if len(target.encode_prompt(p.text)) <= cfg.max_prompt_tokens]
+        prompts = [p for p in prompts if len(p.encode(target)) <= cfg.max_prompt_tokens]
         for i, p in enumerate(prompts):
             p.id = i
         _write_prompts(ppath, prompts)
         manifest = {
             "target_name": target.name, "target_hash": target.weight_hash, "precision": target.precision,
             "version": project_version(),
-            "config": {**asdict(cfg), "sources": list(cfg.sources), "exclude": list(cfg.exclude)},
+            "config": cfg.record(),
             "sources": _source_summary(prompts),
             "prompts_sha256": hashlib.sha256(ppath.read_bytes()).hexdigest(),
             "prompts_dropped_too_long": n_before - len(prompts),
@@ -190,12 +204,13 @@ def build_data(target, out_dir: str | Path, cfg: BuildConfig | None = None, quie
             continue
         t0 = time.perf_counter()
         chunk = prompts[k * cfg.shard_size : (k + 1) * cfg.shard_size]
-        ids = [target.encode_prompt(p.text) for p in chunk]
-        order = sorted(range(len(chunk)), key=lambda i: len(ids[i]))  # similar lengths share a batch
+        ids = [p.encode(target) for p in chunk]
         seqs: dict[int, Sequence] = {}
-        for b in range(0, len(order), cfg.batch_size):
-            idx = order[b : b + cfg.batch_size]
-            res = generate_batch(target.model, [ids[i] for i in idx], cfg.max_new_tokens, target.eos_ids)
+        for idx, temp, seed in _batches(chunk, ids, cfg, k):
+            sampling = Sampling(temperature=temp) if temp else None
+            gen = torch.Generator().manual_seed(seed) if temp else None
+            res = generate_batch(target.model, [ids[i] for i in idx], cfg.max_new_tokens, target.eos_ids,
+                                 sampling=sampling, generator=gen)
             for i, toks, fin in zip(idx, res.tokens, res.finished):
                 seqs[i] = Sequence(ids[i] + toks, len(ids[i]), chunk[i].id, fin)
             bar.update(len(idx))
@@ -211,6 +226,16 @@ def build_data(target, out_dir: str | Path, cfg: BuildConfig | None = None, quie
         _write_atomic(mpath, lambda tmp: tmp.write_text(json.dumps(manifest, indent=1)))
     bar.close()
     return manifest
+
+
+def _batches(chunk: list[Prompt], ids: list[list[int]], cfg: BuildConfig, shard: int):
+    """(row indices, temperature, sampling seed) of each batch of a shard: the greedy prompts, then each
+    temperature's, similar lengths together; the seed depends on the shard and batch only, so a
+    resumed build samples the same responses."""
+    for temp in sorted({p.temperature for p in chunk}):
+        rows = sorted((i for i, p in enumerate(chunk) if p.temperature == temp), key=lambda i: len(ids[i]))
+        for b in range(0, len(rows), cfg.batch_size):
+            yield rows[b : b + cfg.batch_size], temp, cfg.seed * 1_000_003 + shard * 1_009 + b
 
 
 def _source_summary(prompts: list[Prompt]) -> dict:

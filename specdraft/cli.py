@@ -215,9 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a drafter on a data folder (resumable)")
     tsub = t.add_subparsers(dest="train_command", required=True)
     tp = tsub.add_parser("phrase", help="mine a phrase vocabulary and train the phrase head")
-    tp.add_argument("--data", required=True, help="data folder from `specdraft data build`")
-    tp.add_argument("--features", default=None,
-                    help="feature folder from `specdraft data features --layers -1` (default: DATA/features, computed if missing)")
+    tp.add_argument("--data", required=True, action="append",
+                    help="data folder from `specdraft data build` (repeatable: trained on together)")
+    tp.add_argument("--features", action="append", default=None,
+                    help="feature folder from `specdraft data features --layers -1`, one per --data in order "
+                         "(default: DATA/features of each, computed if missing)")
     tp.add_argument("--vocab-size", type=int, default=8000, help="draft vocabulary entries (default 8000)")
     tp.add_argument("--epochs", type=int, default=4)
     tp.add_argument("--batch-size", type=int, default=1024)
@@ -575,10 +577,14 @@ def cmd_train(args) -> None:
                 raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 1")
         if not str(args.out).endswith(".safetensors"):
             raise SpecdraftError("--out must be a .safetensors file")
-        read_manifest(Path(args.data))  # a clear error for a folder that is not a data build
+        for d in args.data:
+            read_manifest(Path(d))  # a clear error for a folder that is not a data build
+        feats = [Path(f) for f in args.features] if args.features else [Path(d) / "features" for d in args.data]
+        if len(feats) != len(args.data):
+            raise SpecdraftError(f"{len(args.data)} --data folders but {len(feats)} --features: give one per --data")
         target = _engine(args).target
-        feats = Path(args.features) if args.features else Path(args.data) / "features"
-        cache_features(target, args.data, feats, (FEATURE_LAYER,), quiet=args.quiet)  # skips shards already there
+        for d, f in zip(args.data, feats):
+            cache_features(target, d, f, (FEATURE_LAYER,), quiet=args.quiet)  # skips shards already there
         cfg = PhraseTrainConfig(vocab_size=args.vocab_size, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                           seed=args.seed)
         log = (lambda *a, **k: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))

@@ -132,6 +132,27 @@ def test_training_resumes_to_the_same_weights(tiny_chat_target, tiny_run, tmp_pa
     assert m["kind"] == "phrase" and m["target_hash"] == tiny_chat_target.weight_hash and len(m["history"]) == 2
 
 
+def test_training_on_several_data_folders(tiny_chat_target, tiny_run, tmp_path):
+    from specdraft.errors import SpecdraftError
+    from specdraft.train import data as D
+
+    cfg = P.PhraseTrainConfig(vocab_size=64, epochs=1, batch_size=16, holdout=0.2)
+    one = P.train_phrase(tiny_chat_target, tiny_run / "data", tiny_run / "feat", tmp_path / "one.safetensors", cfg,
+                         quiet=True, log=lambda *a: None)
+    two = P.train_phrase(tiny_chat_target, [tiny_run / "data"] * 2, [tiny_run / "feat"] * 2,
+                         tmp_path / "two.safetensors", cfg, quiet=True, log=lambda *a: None)
+    m = D.read_manifest(tiny_run / "data")
+    assert two["data"]["sequences"] == one["data"]["sequences"] == m["sequences"]  # the first folder's split
+    assert two["data"]["response_tokens"] == 2 * m["response_tokens"] and len(two["data"]["folders"]) == 2
+    assert two["coverage"]["response_positions"] == 2 * one["coverage"]["response_positions"]
+    assert "folders" not in one["data"]
+    prof = P.add_acceptance_profile(tiny_chat_target, tmp_path / "two.safetensors", tiny_run / "data", tiny_run / "feat")
+    assert all(v >= 1.0 for v in prof.values())
+    with pytest.raises(SpecdraftError, match="give one --features per --data"):
+        P.train_phrase(tiny_chat_target, [tiny_run / "data"] * 2, [tiny_run / "feat"], tmp_path / "x.safetensors", cfg,
+                       quiet=True, log=lambda *a: None)
+
+
 def test_trained_tiny_head_is_lossless(tiny_chat_target, tiny_run, tmp_path):
     path = tmp_path / "head.safetensors"
     _train(tiny_chat_target, tiny_run, path)

@@ -245,13 +245,32 @@ class PhraseTrainConfig:
     use_root_embedding: bool = True  # the head also reads the root token's embedding
 
 
-def train_phrase(target, data_dir: str | Path, feat_dir: str | Path, out: str | Path, cfg: PhraseTrainConfig,
-                 quiet: bool = False, log=print) -> dict:
-    """Mine the vocabulary, train the head, write ``out`` (safetensors + manifest).  Resumable."""
+def train_phrase(target, data_dir: str | Path | list, feat_dir: str | Path | list, out: str | Path,
+                 cfg: PhraseTrainConfig, quiet: bool = False, log=print) -> dict:
+    """Mine the vocabulary, train the head, write ``out`` (safetensors + manifest).  Resumable.
+    ``data_dir`` / ``feat_dir``: one folder each, or lists paired in order (trained on together; each
+    folder holds out its own share, so the first folder's held-out sequences are the same whatever
+    folders train beside it, and a profile can replay them from that folder alone)."""
     out = Path(out)
-    data_manifest = read_manifest(Path(data_dir))
-    check_data_target(data_manifest, target, data_dir)
-    seqs = load_sequences(data_dir)
+    dirs = [Path(d) for d in (data_dir if isinstance(data_dir, (list, tuple)) else [data_dir])]
+    fdirs = [Path(d) for d in (feat_dir if isinstance(feat_dir, (list, tuple)) else [feat_dir])]
+    if len(dirs) != len(fdirs):
+        raise SpecdraftError(f"{len(dirs)} data folders but {len(fdirs)} feature folders: give one --features per --data")
+    manifests, seqs, parts, held = [], [], [], []
+    for d, fd in zip(dirs, fdirs):
+        m = read_manifest(d)
+        check_data_target(m, target, d)
+        mine = load_sequences(d)
+        f = load_feature_rows(fd, m)
+        if f.shape[0] != sum(len(s.tokens) for s in mine):
+            raise SpecdraftError(f"features in {fd} do not match the data in {d}: recompute them")
+        held += [len(seqs) + i for i in held_out(len(mine), cfg.seed, cfg.holdout)]
+        manifests.append(m)
+        seqs += mine
+        parts.append(f)
+    data_manifest = manifests[0]
+    feats = parts[0] if len(parts) == 1 else torch.cat(parts)
+    del parts
     voc = Vocab(target.tokenizer)
     responses = [split_response(s.tokens, s.prompt_len, voc.special) for s in seqs]
     t0 = time.perf_counter()
@@ -260,13 +279,9 @@ def train_phrase(target, data_dir: str | Path, feat_dir: str | Path, out: str | 
     cover = len(ex.label) / max(1, ex.positions)
     log(f"vocabulary: {len(pvocab)} entries mined in {time.perf_counter() - t0:.0f}s; "
         f"{len(ex.label):,} of {ex.positions:,} response positions ({cover:.1%}) have a matching entry")
-    feats = load_feature_rows(feat_dir, data_manifest)
-    if feats.shape[0] != sum(len(s.tokens) for s in seqs):
-        raise SpecdraftError(f"features in {feat_dir} do not match the data in {data_dir}: recompute them")
     embed = target.model.embed.weight.detach().float().cpu()
 
     n_seq = len(seqs)
-    held = held_out(n_seq, cfg.seed, cfg.holdout)
     is_held = torch.zeros(n_seq, dtype=torch.bool)
     is_held[held] = True
     val = is_held[ex.seq]
@@ -282,7 +297,8 @@ def train_phrase(target, data_dir: str | Path, feat_dir: str | Path, out: str | 
     total = steps_per_epoch * cfg.epochs
 
     spath = state_path(out)
-    fingerprint = json.loads(json.dumps({"config": asdict(cfg), "data": data_sha256(data_manifest),
+    data_ids = [data_sha256(m) for m in manifests]
+    fingerprint = json.loads(json.dumps({"config": asdict(cfg), "data": data_ids[0] if len(dirs) == 1 else data_ids,
                                          "target": target.weight_hash}))
     start_epoch, history = 0, []
     meta = resume(spath, fingerprint, head, opt, log)
@@ -340,8 +356,12 @@ def train_phrase(target, data_dir: str | Path, feat_dir: str | Path, out: str | 
         "feature_layer": FEATURE_LAYER,
         "vocab": pvocab.to_json(),
         "coverage": {"labelled_positions": len(ex.label), "response_positions": ex.positions, "share": cover},
-        "data": {"dir": str(data_dir), "manifest_sha256": data_sha256(data_manifest),
-                 "sequences": len(seqs), "response_tokens": data_manifest["response_tokens"]},
+        # the first folder's sequences and hash: the held-out split a profile replays from it alone
+        "data": {"dir": str(dirs[0]), "manifest_sha256": data_ids[0], "sequences": manifests[0]["sequences"],
+                 "response_tokens": sum(m["response_tokens"] for m in manifests),
+                 **({"folders": [{"dir": str(d), "manifest_sha256": h, "sequences": m["sequences"],
+                                  "response_tokens": m["response_tokens"]} for d, h, m in zip(dirs, data_ids, manifests)]}
+                    if len(dirs) > 1 else {})},
         "history": history,
         "params": head.n_params(),
         "target_params": n_target,

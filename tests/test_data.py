@@ -259,3 +259,23 @@ def test_replay_reads_a_data_folders_greedy_responses(tiny_chat_target, tmp_path
         assert len(ids) == 4  # the sampled response is left out
         assert ids == [p.encode(tiny_chat_target) for p in prompts if p.temperature == 0.0]
         assert outs == greedy_outputs(tiny_chat_target, ids, limit)
+
+
+def test_mapped_features_equal_the_loaded_ones(tiny_chat_target, tmp_path):
+    from specdraft.model.llama import FINAL
+
+    prompts = [Prompt(i, "gsm", f"What is {i} times {i + 2}?", 1000) for i in range(5)]
+    cfg = D.BuildConfig(n_prompts=5, max_new_tokens=6, batch_size=3, shard_size=2, sources=("gsm",))
+    m = D.build_data(tiny_chat_target, tmp_path / "data", cfg, quiet=True, prompts=prompts)
+    D.cache_features(tiny_chat_target, tmp_path / "data", tmp_path / "feat", (0, 2, FINAL), quiet=True)
+    files = [s["file"] for s in m["shards"]]
+    dense = D.read_features(tmp_path / "feat", files, (2, FINAL, 0))
+    lazy = D.read_features(tmp_path / "feat", files, (2, FINAL, 0), mapped=True)
+    assert lazy.shape == tuple(dense.shape) and len(files) == 3
+    rows = torch.randint(0, dense.shape[0], (4, 7))
+    assert torch.equal(lazy[rows], dense[rows])  # rows of every shard, in any order
+    assert torch.equal(lazy[3:11], dense[3:11])
+    h = dense.shape[1] // 3
+    assert torch.equal(lazy.layers([1])[rows], dense[rows][..., h : 2 * h])
+    both = D.FeatureRows.concat([lazy, lazy.layers([0, 1, 2])])
+    assert torch.equal(both[torch.tensor([0, dense.shape[0] + 5])], dense[torch.tensor([0, 5])])

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from specdraft.errors import SpecdraftError
 from specdraft.model.llama import FINAL
-from specdraft.train.data import load_shard, read_features, read_manifest
+from specdraft.train.data import FeatureRows, load_shard, read_features, read_manifest
 
 
 @dataclass
@@ -25,8 +25,8 @@ class Corpus:
     tokens: list[list[int]]  # per sequence: prompt + response
     prompt_len: list[int]
     offsets: list[int]  # first row of each sequence in the flat feature tensors
-    feats: Tensor  # [rows, n_layers * H] fp16, the drafter's input features
-    final: Tensor | None  # [rows, H] fp16 final features (regression targets) or None
+    feats: FeatureRows  # [rows, n_layers * H] fp16, the drafter's input features (memory-mapped)
+    final: FeatureRows | None  # [rows, H] fp16 final features (regression targets) or None
 
 
 def load_corpus(data_dir: str | Path, feat_dir: str | Path, layers: tuple[int, ...], need_final: bool,
@@ -54,22 +54,17 @@ def load_corpora(folders: list[tuple[str | Path, str | Path]], layers: tuple[int
             if not path.is_file():
                 raise SpecdraftError(f"data shard {path} listed in the manifest is missing")
             mine += load_shard(path)
-        feats = read_features(feat_dir, [s["file"] for s in use], read)
+        feats = read_features(feat_dir, [s["file"] for s in use], read, mapped=True)
         if feats.shape[0] != sum(len(s.tokens) for s in mine):
             raise SpecdraftError(f"features in {feat_dir} do not match the data in {data_dir}: recompute them")
         seqs += mine
         parts.append(feats)
         manifests.append({**manifest, "shards_used": len(use)})
         sizes.append(len(mine))
-    feats = parts[0] if len(parts) == 1 else torch.cat(parts)
-    del parts
-    final = None
-    if need_final:  # a view of the final layer's columns
-        h = feats.shape[1] // len(read)
-        k = read.index(FINAL)
-        final = feats[:, k * h : (k + 1) * h]
+    feats = FeatureRows.concat(parts)  # on disk, read as batches index it
+    final = feats.layers([read.index(FINAL)]) if need_final else None
     if len(read) > len(layers):
-        feats = feats[:, : len(layers) * feats.shape[1] // len(read)]
+        feats = feats.layers(list(range(len(layers))))
     offsets = [0]
     for s in seqs[:-1]:
         offsets.append(offsets[-1] + len(s.tokens))

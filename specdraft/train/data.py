@@ -344,11 +344,71 @@ def _free_bytes(path: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def read_features(feat_dir: str | Path, shard_files: list[str], layers: tuple[int, ...]) -> torch.Tensor:
+class FeatureRows:
+    """Cached fp16 features as one [rows, n_layers * H] array that stays on disk: every shard's layers are
+    memory maps of its safetensors file, and only the rows indexed are read (the page cache keeps what
+    fits).  A 4M-token corpus with four layers is 18 GiB, more than a trainer could hold and copy.
+    Indexing with a LongTensor of any shape [...] gives a tensor [..., n_layers * H]; a slice of rows
+    gives [n, n_layers * H]; ``layers`` picks columns (whole layers) without reading anything."""
+
+    def __init__(self, parts: list[list[torch.Tensor]]) -> None:
+        self.parts = parts  # per shard, per layer [rows of the shard, H] (memory-mapped)
+        sizes = [p[0].shape[0] for p in parts]
+        self.starts = torch.tensor([0] + sizes).cumsum(0)  # [shards + 1]
+        self.width = sum(t.shape[1] for t in parts[0])
+        self.shape = (int(self.starts[-1]), self.width)
+
+    @classmethod
+    def concat(cls, items: list["FeatureRows"]) -> "FeatureRows":
+        return cls([p for it in items for p in it.parts])
+
+    def layers(self, which: list[int]) -> "FeatureRows":
+        """The columns of the layers at positions ``which`` (in that order)."""
+        return FeatureRows([[p[i] for i in which] for p in self.parts])
+
+    def __getitem__(self, rows) -> torch.Tensor:
+        if isinstance(rows, slice):
+            return self[torch.arange(*rows.indices(self.shape[0]))]
+        flat = rows.reshape(-1)
+        out = torch.empty(flat.shape[0], self.width, dtype=torch.float16)
+        shard = torch.searchsorted(self.starts, flat, right=True) - 1
+        for k in shard.unique().tolist():
+            sel = (shard == k).nonzero().squeeze(1)
+            local = flat[sel] - self.starts[k]
+            c = 0
+            for t in self.parts[k]:  # each layer into its columns (no torch.cat: trainers index under autocast)
+                out[sel, c : c + t.shape[1]] = t[local]
+                c += t.shape[1]
+        return out.view(*rows.shape, self.width)
+
+
+def _mapped(path: Path, keys: list[str]) -> list[torch.Tensor]:
+    """Tensors ``keys`` of a safetensors file as read-only memory maps (copy-on-write: nothing is written back)."""
+    import numpy as np
+
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    out = []
+    for key in keys:
+        info = header[key]
+        if info["dtype"] != "F16":
+            raise SpecdraftError(f"{path}: {key} is {info['dtype']}, not F16")
+        start, end = info["data_offsets"]
+        arr = np.memmap(path, dtype=np.float16, mode="c", offset=8 + n + start, shape=tuple(info["shape"]))
+        if arr.nbytes != end - start:
+            raise SpecdraftError(f"corrupt feature shard {path}: {key} has the wrong size")
+        out.append(torch.from_numpy(arr))
+    return out
+
+
+def read_features(feat_dir: str | Path, shard_files: list[str], layers: tuple[int, ...],
+                  mapped: bool = False) -> torch.Tensor | FeatureRows:
     """The cached fp16 features [rows, len(layers) * H] of the given data shards: per shard file
     ``features_XXXXX.safetensors`` with one key ``layer_L`` per layer, rows = every token of every
-    sequence in shard order; the layers side by side."""
-    parts = []
+    sequence in shard order; the layers side by side.  ``mapped``: a ``FeatureRows`` over memory maps
+    instead of a tensor in memory."""
+    parts, maps = [], []
     for name in shard_files:
         path = Path(feat_dir) / name.replace("shard_", "features_")
         if not path.is_file():
@@ -360,13 +420,16 @@ def read_features(feat_dir: str | Path, shard_files: list[str], layers: tuple[in
                 miss = [x for x in layers if f"layer_{x}" not in keys]
                 if miss:
                     raise SpecdraftError(f"{path} has no features of layer {miss[0]} (has {', '.join(sorted(keys))})")
+                if mapped:
+                    maps.append(_mapped(path, [f"layer_{x}" for x in layers]))
+                    continue
                 cols = [f.get_tensor(f"layer_{x}") for x in layers]
         except SpecdraftError:
             raise
         except Exception as e:  # safetensors raises its own error types for a damaged file
             raise SpecdraftError(f"corrupt feature shard {path}: {e}") from None
         parts.append(torch.cat(cols, 1) if len(cols) > 1 else cols[0])
-    return torch.cat(parts)
+    return FeatureRows(maps) if mapped else torch.cat(parts)
 
 
 def check_data_target(manifest: dict, target, data_dir) -> None:

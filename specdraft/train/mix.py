@@ -164,7 +164,7 @@ def topic_questions(target, n: int, seed: int, split: str = "train", quiet: bool
     prefixes = [_prefix_ids(target, [{"role": "system", "content": f"You are a helpful assistant. "
                                       f"Today the user asks about {topic}."}], lead) for topic, lead in picks]
     texts = sample_texts(target, prefixes, 64, seed, desc="topic prompts", quiet=quiet)
-    out = [f"{lead} {text}".replace("  ", " ") if text and text[0].isalnum() else lead + text
+    out = [lead + (" " if text[:1].isalnum() else "") + text  # the sampled words follow the lead's
            for (_, lead), (text, fin) in zip(picks, texts) if fin and len(text) >= 8]
     return out[:n]
 

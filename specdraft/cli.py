@@ -194,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     db.add_argument("--seed", type=int, default=None,
                     help="seed of the gsm problems, the mix's sources and the sampled responses (default 1000); "
                          "another seed gives other prompts, e.g. for the next part of a large build")
+    db.add_argument("--features-layers", default="",
+                    help="comma-separated layers whose hidden states are kept while decoding and written to "
+                         "OUT/features, as `data features` would compute them (fast mode; e.g. 2,15,27,-1)")
     db.add_argument("--sampled", type=float, default=0.0,
                     help="share of the prompts whose response is sampled at T=0.7 instead of greedy (default 0)")
     db.add_argument("--batch-size", type=int, default=32)
@@ -542,8 +545,10 @@ def cmd_data(args) -> None:
         cfg = BuildConfig(n_prompts=args.n_prompts, max_new_tokens=args.max_new_tokens, sources=sources,
                           batch_size=args.batch_size, shard_size=args.shard_size, magpie_seed=seed,
                           exclude=tuple(args.exclude), seed=BuildConfig.seed if args.seed is None else args.seed,
-                          split=args.split, sampled=args.sampled)
+                          split=args.split, sampled=args.sampled,
+                          feature_layers=_layers(args.features_layers) if args.features_layers else ())
         target = _engine(args).target
+        target.config.check_layers(cfg.feature_layers, "--features-layers: layer")
         m = build_data(target, args.out, cfg, quiet=args.quiet)
         print(f"{m['sequences']} responses, {m['response_tokens']:,} response tokens, {len(m['shards'])} shards "
               f"in {args.out} ({m['wall_s'] / 60:.1f} min of regeneration)", file=sys.stderr)

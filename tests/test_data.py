@@ -279,3 +279,50 @@ def test_mapped_features_equal_the_loaded_ones(tiny_chat_target, tmp_path):
     assert torch.equal(lazy.layers([1])[rows], dense[rows][..., h : 2 * h])
     both = D.FeatureRows.concat([lazy, lazy.layers([0, 1, 2])])
     assert torch.equal(both[torch.tensor([0, dense.shape[0] + 5])], dense[torch.tensor([0, 5])])
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_batched_decoding_keeps_the_states_of_one_pass(tiny_chat_fast, sampled):
+    """In the fast mode every row's hidden states, kept while decoding, equal one pass over its
+    sequence alone bit for bit (prompt, response, and the last token of a row cut at the limit)."""
+    from specdraft.model.llama import FINAL
+    from specdraft.verify import Sampling
+
+    target = tiny_chat_fast
+    assert target.precision == "fast"
+    rng = random.Random(1)
+    prompts = [[rng.randrange(2, 96) for _ in range(rng.randint(1, 20))] for _ in range(9)]
+    layers = (0, 2, FINAL)
+
+    def run(eos, **extra):
+        kw = dict(sampling=Sampling(temperature=0.9), generator=torch.Generator().manual_seed(0)) if sampled else {}
+        return generate_batch(target.model, prompts, 20, eos, **kw, **extra)
+
+    eos = {run(target.eos_ids).tokens[0][6]}  # a token the rows do produce: some stop at it, the rest at the limit
+    res, again = run(eos, hidden_layers=layers), run(eos)
+    assert res.tokens == again.tokens and again.hidden is None  # keeping states changes nothing decoded
+    assert 0 < sum(res.finished) < len(prompts)
+    for p, toks, hid in zip(prompts, res.tokens, res.hidden):
+        ref = D.compute_features(target, [D.Sequence(p + toks, len(p), 0, True)], layers)
+        for k in layers:
+            assert hid[k].shape == (len(p) + len(toks), ref.hidden[k].shape[-1])
+            assert torch.equal(hid[k], ref.hidden[k][0].to(torch.float16)), k
+
+
+def test_a_build_keeps_the_features_data_features_would_compute(tiny_chat_fast, tiny_chat_target, tmp_path):
+    from specdraft.model.llama import FINAL
+    from specdraft.train.prompts import SAMPLED_TEMPERATURE
+
+    prompts = [Prompt(i, "topics", f"Tell me about {i} cats.", 1000, temperature=SAMPLED_TEMPERATURE * (i % 2))
+               for i in range(7)]
+    layers = (1, FINAL)
+    cfg = D.BuildConfig(n_prompts=7, max_new_tokens=10, batch_size=3, shard_size=4, sources=("topics",),
+                        feature_layers=layers)
+    m = D.build_data(tiny_chat_fast, tmp_path / "data", cfg, quiet=True, prompts=prompts)
+    assert m["config"]["feature_layers"] == [1, FINAL]
+    files = [s["file"] for s in m["shards"]]
+    kept = D.read_features(tmp_path / "data" / "features", files, layers)
+    D.cache_features(tiny_chat_fast, tmp_path / "data", tmp_path / "again", layers, quiet=True)
+    assert torch.equal(kept, D.read_features(tmp_path / "again", files, layers))
+    with pytest.raises(SpecdraftError, match="needs the fast precision mode"):
+        D.build_data(tiny_chat_target, tmp_path / "exact", cfg, quiet=True, prompts=prompts)

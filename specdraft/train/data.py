@@ -63,13 +63,15 @@ class BuildConfig:
     seed: int = TRAIN_SEED_BASE  # seed of the gsm problems, the broad mix's sources and the sampled responses
     split: str = "train"  # the broad mix's part: "train" or "heldout" (sources no training build uses)
     sampled: float = 0.0  # share of the prompts whose response is sampled (T=0.7) instead of greedy
+    feature_layers: tuple[int, ...] = ()  # hidden states kept while decoding, written to FOLDER/features (fast mode)
 
     def record(self) -> dict:
         """The config as a manifest stores it: the fields added after the first builds only where they
         are not their default, so a rebuild of an older folder has the same manifest (and data hash)."""
         d = {**asdict(self), "sources": list(self.sources), "exclude": list(self.exclude)}
-        for k in ("seed", "split", "sampled"):
-            if d[k] == BuildConfig.__dataclass_fields__[k].default:
+        d["feature_layers"] = list(self.feature_layers)
+        for k in ("seed", "split", "sampled", "feature_layers"):
+            if d[k] == BuildConfig.__dataclass_fields__[k].default or (k == "feature_layers" and not d[k]):
                 del d[k]
         return d
 
@@ -163,8 +165,9 @@ def build_data(target, out_dir: str | Path, cfg: BuildConfig | None = None, quie
             raise SpecdraftError(f"{out} holds responses decoded in the {built} precision mode; resume it with "
                                  f"--precision {built} (the loaded target runs {target.precision})")
         prompts = read_prompts(ppath)
-        fresh = {k: BuildConfig.__dataclass_fields__[k].default for k in ("seed", "split", "sampled")}
+        fresh = {k: BuildConfig.__dataclass_fields__[k].default for k in ("seed", "split", "sampled", "feature_layers")}
         cfg = BuildConfig(**{**asdict(cfg), **fresh, **manifest["config"], "sources": tuple(manifest["config"]["sources"]),
+                             "feature_layers": tuple(manifest["config"].get("feature_layers", ())),
                              "exclude": tuple(manifest["config"].get("exclude", ()))})
     else:
         if prompts is not None:  # given prompts are used as they are
@@ -194,6 +197,11 @@ def build_data(target, out_dir: str | Path, cfg: BuildConfig | None = None, quie
             "created": time.strftime("%Y-%m-%d %H:%M:%S"),
         }
         _write_atomic(mpath, lambda tmp: tmp.write_text(json.dumps(manifest, indent=1)))
+    if cfg.feature_layers and target.precision != "fast":
+        raise SpecdraftError("keeping features while building needs the fast precision mode (its rows are bit-exact, "
+                             "so the states kept equal one pass over each sequence); in the exact mode build, then "
+                             "run `specdraft data features`")
+    fdir = out / "features"
     done = {s["file"] for s in manifest["shards"]}
     n_shards = -(-len(prompts) // cfg.shard_size)
     bar = tqdm(total=len(prompts), desc="regenerating", unit="resp", disable=quiet,
@@ -206,16 +214,23 @@ def build_data(target, out_dir: str | Path, cfg: BuildConfig | None = None, quie
         chunk = prompts[k * cfg.shard_size : (k + 1) * cfg.shard_size]
         ids = [p.encode(target) for p in chunk]
         seqs: dict[int, Sequence] = {}
+        states: dict[int, dict[int, torch.Tensor]] = {}  # row -> layer -> [tokens, H] fp16 (feature_layers)
         for idx, temp, seed in _batches(chunk, ids, cfg, k):
             sampling = Sampling(temperature=temp) if temp else None
             gen = torch.Generator().manual_seed(seed) if temp else None
             res = generate_batch(target.model, [ids[i] for i in idx], cfg.max_new_tokens, target.eos_ids,
-                                 sampling=sampling, generator=gen)
-            for i, toks, fin in zip(idx, res.tokens, res.finished):
+                                 sampling=sampling, generator=gen, hidden_layers=cfg.feature_layers)
+            for b, (i, toks, fin) in enumerate(zip(idx, res.tokens, res.finished)):
                 seqs[i] = Sequence(ids[i] + toks, len(ids[i]), chunk[i].id, fin)
+                if cfg.feature_layers:
+                    states[i] = res.hidden[b]
             bar.update(len(idx))
             bar.set_postfix(resp_tok=manifest["response_tokens"] + sum(len(s.response) for s in seqs.values()))
         ordered = [seqs[i] for i in range(len(chunk))]
+        if cfg.feature_layers:  # the feature shard first: the manifest lists a data shard only when both are on disk
+            fdir.mkdir(exist_ok=True)
+            save_feature_shard(fdir / name.replace("shard_", "features_"), name, cfg.feature_layers,
+                               {k: torch.cat([states[i][k] for i in range(len(chunk))]) for k in cfg.feature_layers})
         save_shard(out / name, ordered)
         resp = sum(len(s.response) for s in ordered)
         manifest["shards"].append({"file": name, "sequences": len(ordered), "response_tokens": resp})
@@ -333,10 +348,15 @@ def cache_features(target, data_dir: str | Path, out_dir: str | Path, layers: tu
                 n = int(fb.lengths[b])
                 for layer in layers:
                     parts[layer].append(fb.hidden[layer][b, :n].to(torch.float16).cpu())
-        tensors = {f"layer_{layer}": torch.cat(v) for layer, v in parts.items()}
-        _write_atomic(dst, lambda tmp: save_file(tensors, str(tmp), metadata={"data_shard": s["file"],
-                                                                                "layers": json.dumps(list(layers))}))
+        save_feature_shard(dst, s["file"], layers, {layer: torch.cat(v) for layer, v in parts.items()})
     return out
+
+
+def save_feature_shard(path: Path, data_shard: str, layers: tuple[int, ...], per_layer: dict[int, torch.Tensor]) -> None:
+    """A feature shard: one fp16 tensor ``layer_L`` [rows, H] per layer, rows = the data shard's tokens in order."""
+    tensors = {f"layer_{layer}": per_layer[layer].to(torch.float16).contiguous() for layer in layers}
+    _write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata={"data_shard": data_shard,
+                                                                          "layers": json.dumps(list(layers))}))
 
 
 def _free_bytes(path: Path) -> int:

@@ -19,6 +19,7 @@ after normalisation; a match is dropped, so no benchmark prompt enters the train
 
 from __future__ import annotations
 
+import functools
 import gzip
 import importlib.util
 import json
@@ -83,7 +84,8 @@ def normalize(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip().lower()
 
 
-def benchmark_prompt_set() -> set[str]:
+@functools.lru_cache(maxsize=1)
+def benchmark_prompt_set() -> frozenset[str]:
     """Normalised texts of every benchmark prompt (all MT-Bench turns, HumanEval, the gsm eval set)."""
     out: set[str] = set()
     for turns in mtbench_turns():
@@ -91,7 +93,7 @@ def benchmark_prompt_set() -> set[str]:
     for p in humaneval_prompts():
         out.add(normalize(p))
     out.update(normalize(p) for p in gsm_prompts(GSM_EVAL_GUARD, seed=GSM_EVAL_SEED))
-    return out
+    return frozenset(out)
 
 
 def is_benchmark(text: str, bench: set[str]) -> bool:

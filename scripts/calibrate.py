@@ -17,10 +17,7 @@ the fitted maps' reliability is also measured on those prompts (not used for fit
 from __future__ import annotations
 
 import argparse
-import gzip
-import importlib.util
 import json
-import random
 from collections import defaultdict
 from pathlib import Path
 
@@ -33,7 +30,7 @@ from specdraft.replay import greedy_outputs, sequence_hidden, simulate
 from specdraft.datasets import load_prompts
 from specdraft.model.load import cache_dir
 from specdraft.target import Target
-from specdraft.train.prompts import REASONING_TASKS, TRAIN_SEED_BASE, _rg_prompts, magpie_prompts
+from specdraft.train.prompts import REASONING_TASKS, TRAIN_SEED_BASE, _rg_prompts, codeio_rows, magpie_prompts
 
 SEED = TRAIN_SEED_BASE + 5_000  # seeds the training prompts never used
 PRIOR = 2.0  # pseudo-counts pulling a sparse lookup cell towards its depth's pooled rate
@@ -52,10 +49,7 @@ def calibration_prompts(n: int, target) -> list[str]:
         except (KeyError, ValueError):
             continue
     out += rg[:third]
-    spec = importlib.util.find_spec("reasoning_gym")
-    with gzip.open(Path(spec.submodule_search_locations[0]) / "data" / "codeio.jsonl.gz", "rt") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    random.Random(TRAIN_SEED_BASE).shuffle(rows)  # the training's order: it takes rows from the start
+    rows = codeio_rows()  # the training's order: it takes rows from the start
     out += [f"Write a Python function `main_solution` for this task.\n\n{r['task_description']}" for r in rows[-(n - 3 * third):]]
     return out
 

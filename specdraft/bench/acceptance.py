@@ -23,13 +23,12 @@ def data_folder_outputs(target, data_dir: str | Path, n: int, max_new_tokens: in
     """(prompts, greedy outputs) of the first ``n`` greedy responses a data build holds (``specdraft data
     build``; its sampled responses are left out), each cut to ``max_new_tokens``, EOS kept where the
     response ended within them: the same as ``greedy_outputs`` would regenerate, without regenerating."""
-    from specdraft.train.data import PROMPTS, check_data_target, load_sequences, read_manifest, read_prompts
+    from specdraft.train.data import PROMPTS, built_precision, check_data_target, load_sequences, read_manifest, read_prompts
 
     manifest = read_manifest(Path(data_dir))
     check_data_target(manifest, target, data_dir)
-    if manifest.get("precision", "exact") != target.precision:
-        raise SpecdraftError(f"{data_dir} holds responses of the {manifest.get('precision', 'exact')} precision mode; "
-                             f"replay it with --precision {manifest.get('precision', 'exact')}")
+    if (built := built_precision(manifest)) != target.precision:
+        raise SpecdraftError(f"{data_dir} holds responses of the {built} precision mode; replay it with --precision {built}")
     temps = [p.temperature for p in read_prompts(Path(data_dir) / PROMPTS)]
     greedy = [s for s in load_sequences(data_dir) if temps[s.prompt_id] == 0.0][:n]
     if not greedy:

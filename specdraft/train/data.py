@@ -68,12 +68,16 @@ class BuildConfig:
     def record(self) -> dict:
         """The config as a manifest stores it: the fields added after the first builds only where they
         are not their default, so a rebuild of an older folder has the same manifest (and data hash)."""
-        d = {**asdict(self), "sources": list(self.sources), "exclude": list(self.exclude)}
-        d["feature_layers"] = list(self.feature_layers)
-        for k in ("seed", "split", "sampled", "feature_layers"):
-            if d[k] == BuildConfig.__dataclass_fields__[k].default or (k == "feature_layers" and not d[k]):
+        d = {**asdict(self), "sources": list(self.sources), "exclude": list(self.exclude),
+             "feature_layers": list(self.feature_layers)}
+        for k, default in ADDED_FIELDS.items():
+            if getattr(self, k) == default:
                 del d[k]
         return d
+
+
+# the fields added after the first builds, with their defaults (what an older manifest means by leaving them out)
+ADDED_FIELDS = {k: BuildConfig.__dataclass_fields__[k].default for k in ("seed", "split", "sampled", "feature_layers")}
 
 
 @dataclass
@@ -124,6 +128,11 @@ def load_shard(path: Path) -> list[Sequence]:
     return [Sequence(tokens[offsets[i] : offsets[i + 1]], plen[i], pid[i], bool(fin[i])) for i in range(len(plen))]
 
 
+def built_precision(manifest: dict) -> str:
+    """The precision mode a data folder's responses were decoded in (folders from before the fast mode: exact)."""
+    return manifest.get("precision", "exact")
+
+
 def read_manifest(out: Path) -> dict:
     path = out / MANIFEST
     try:
@@ -160,13 +169,12 @@ def build_data(target, out_dir: str | Path, cfg: BuildConfig | None = None, quie
     if manifest is not None:
         if manifest["target_hash"] != target.weight_hash:
             raise SpecdraftError(f"{out} holds data of target {manifest['target_name']!r}, not the loaded target")
-        built = manifest.get("precision", "exact")  # folders from before the fast mode were built exact
+        built = built_precision(manifest)
         if built != target.precision:
             raise SpecdraftError(f"{out} holds responses decoded in the {built} precision mode; resume it with "
                                  f"--precision {built} (the loaded target runs {target.precision})")
         prompts = read_prompts(ppath)
-        fresh = {k: BuildConfig.__dataclass_fields__[k].default for k in ("seed", "split", "sampled", "feature_layers")}
-        cfg = BuildConfig(**{**asdict(cfg), **fresh, **manifest["config"], "sources": tuple(manifest["config"]["sources"]),
+        cfg = BuildConfig(**{**asdict(cfg), **ADDED_FIELDS, **manifest["config"], "sources": tuple(manifest["config"]["sources"]),
                              "feature_layers": tuple(manifest["config"].get("feature_layers", ())),
                              "exclude": tuple(manifest["config"].get("exclude", ()))})
     else:

@@ -268,7 +268,6 @@ def train_phrase(target, data_dir: str | Path | list, feat_dir: str | Path | lis
         manifests.append(m)
         seqs += mine
         parts.append(f)
-    data_manifest = manifests[0]
     feats = parts[0] if len(parts) == 1 else torch.cat(parts)
     del parts
     voc = Vocab(target.tokenizer)

@@ -126,7 +126,9 @@ def reasoning_prompts(n: int) -> list[Prompt]:
     return out[:n]
 
 
-def codeio_prompts(n: int) -> list[Prompt]:
+def codeio_rows() -> list[dict]:
+    """The code problems bundled with reasoning-gym, in the training's seeded order: the ``codeio``
+    source takes rows from the start, the mix's held-out part and the calibration from the end."""
     spec = importlib.util.find_spec("reasoning_gym")
     if spec is None or not spec.submodule_search_locations:
         raise SpecdraftError("reasoning-gym is missing: `pip install reasoning-gym`")
@@ -134,6 +136,11 @@ def codeio_prompts(n: int) -> list[Prompt]:
     with gzip.open(path, "rt") as f:
         rows = [json.loads(line) for line in f if line.strip()]
     random.Random(TRAIN_SEED_BASE).shuffle(rows)
+    return rows
+
+
+def codeio_prompts(n: int) -> list[Prompt]:
+    rows = codeio_rows()
     out = []
     for i, row in enumerate(rows[:n]):
         if i % 2 == 0:
@@ -144,9 +151,9 @@ def codeio_prompts(n: int) -> list[Prompt]:
     return out
 
 
-def user_prefix(tokenizer) -> str:
-    """The chat template's text up to where the user's message starts."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": MAGPIE_PLACEHOLDER}], tokenize=False)
+def user_prefix(tokenizer, messages: list[dict] = ()) -> str:
+    """The chat template's text up to where a new user message starts (after ``messages``, if any)."""
+    text = tokenizer.apply_chat_template([*messages, {"role": "user", "content": MAGPIE_PLACEHOLDER}], tokenize=False)
     return text[: text.index(MAGPIE_PLACEHOLDER)]
 
 

@@ -237,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     th.add_argument("--layers", default="-1", help="target features the drafter reads, e.g. 3,15,27 (default -1 = final)")
     th.add_argument("--serial-layers", type=int, default=1, help="decoder layers of the serial part (default 1)")
     th.add_argument("--head-blocks", type=int, default=1, help="residual blocks per MLP head (default 1)")
+    th.add_argument("--width", type=int, default=0,
+                    help="the drafter's own hidden size, a multiple of the target's head size and of 32 (default 0 = "
+                         "the target's): its layers and heads at that width, a cheaper drafting step")
     th.add_argument("--epochs", type=int, default=4)
     th.add_argument("--anchors", type=int, default=64, help="positions sampled per sequence per epoch (0 = all)")
     th.add_argument("--feature-loss", type=_finite, default=0.0,
@@ -598,7 +601,7 @@ def cmd_train(args) -> None:
         for name in ("epochs", "batch_tokens"):
             if getattr(args, name) < 1:
                 raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 1")
-        for name in ("serial", "parallel", "anchors", "draft_vocab", "shards", "head_blocks", "serial_unroll"):
+        for name in ("serial", "parallel", "anchors", "draft_vocab", "shards", "head_blocks", "serial_unroll", "width"):
             if getattr(args, name) < 0:
                 raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 0")
         if not str(args.out).endswith(".safetensors"):
@@ -608,7 +611,7 @@ def cmd_train(args) -> None:
                                 head_blocks=args.head_blocks, feature_layers=layers, draft_vocab=args.draft_vocab,
                                 epochs=args.epochs, anchors=args.anchors, batch_tokens=args.batch_tokens, lr=args.lr,
                                 feature_loss=args.feature_loss, serial_unroll=args.serial_unroll, head_grad=args.head_grad,
-                                distill=args.distill, init=args.init,
+                                distill=args.distill, init=args.init, width=args.width,
                                 shards=args.shards, seed=args.seed)
         if args.serial + args.parallel < 1 or args.serial_layers < 1:
             raise SpecdraftError("a hybrid drafter needs --serial + --parallel >= 1 and --serial-layers >= 1")

@@ -86,10 +86,11 @@ def test_beam_expansion_of_serial_and_parallel_levels():
 # ---------------------------------------------------------------------------- training == drafting
 
 
-def _random_model(target, serial: int, parallel: int, seed: int = 0, vocab: int = 0) -> HybridModel:
+def _random_model(target, serial: int, parallel: int, seed: int = 0, vocab: int = 0, width: int = 0,
+                  layers: tuple[int, ...] = (1, FINAL)) -> HybridModel:
     torch.manual_seed(seed)
     cfg = HybridConfig.for_target(target.config, serial=serial, parallel=parallel, head_blocks=1,
-                                  feature_layers=(1, FINAL), draft_vocab=vocab)
+                                  feature_layers=layers, draft_vocab=vocab, width=width)
     tm = target.model
     ids = torch.randperm(target.config.vocab_size)[:vocab] if vocab else torch.arange(target.config.vocab_size)
     m = HybridModel(cfg, tm.embed.weight, tm.lm_head.weight, ids)
@@ -588,3 +589,83 @@ def test_scored_trees_cut_and_paused_drafting_stay_exact(tiny_llama, monkeypatch
     cfg = GenerateConfig(max_new_tokens=30, budget=6)
     ref = generate(target, [7, 8, 9, 10], None, cfg)
     assert generate(target, [7, 8, 9, 10], d, cfg).token_ids == ref.token_ids
+
+
+# ---------------------------------------------------------------------------- narrow drafters
+
+
+def test_narrow_layer_shape():
+    from specdraft.nn.layers import TargetShape
+
+    smol = TargetShape(hidden_size=576, vocab_size=49152, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536)
+    n = smol.narrow(256)
+    assert (n.hidden_size, n.num_heads, n.num_kv_heads, n.head_dim, n.intermediate_size) == (256, 4, 1, 64, 672)
+    assert smol.narrow(0) is smol and smol.narrow(576) is smol
+    n = smol.narrow(384)  # 6 heads: 2 key/value heads keep the target's group of 3
+    assert (n.num_heads, n.num_kv_heads, n.intermediate_size) == (6, 2, 1024)
+    for bad in (100, 32, 96):  # not a multiple of the head size 64 (or of 32)
+        with pytest.raises(SpecdraftError, match="multiple of the head size"):
+            smol.narrow(bad)
+    for bad in (-64, 640, 100):  # negative, wider than the target, not a multiple
+        with pytest.raises(SpecdraftError):
+            HybridConfig(**{**smol.__dict__, "width": bad})
+    cfg = HybridConfig.from_json({**smol.__dict__, "width": 256})
+    assert cfg.width == 256
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_narrow_drafting_equals_the_training_maths(tiny_llama, kind):
+    """A network of half the target's width (its layers, heads and states 32 wide, read out through the lift):
+    the drafter's steps are the training maths, with the lift folded into the head rows or not."""
+    _, target, _ = tiny_llama
+    for layers in ((1, FINAL), (FINAL,)):  # several feature layers fused into W, or one projected into W
+        model = _random_model(target, *CONFIGS[kind], vocab=48, width=32, layers=layers)
+        assert model.layer_cfg.hidden_size == 32 and model.lift.weight.shape == (64, 32)
+        check_drafting_equals_training(target, model, HybridDrafter(model, HybridOptions(topk=8, beams=8)))
+        folded = _random_model(target, *CONFIGS[kind], vocab=48, width=32, layers=layers)
+        h = torch.randn(5, 32, generator=torch.Generator().manual_seed(1))
+        want = folded.logits(h)
+        folded.fold_lift()
+        assert folded.lift is None and folded.head_w.shape == (48, 32)
+        torch.testing.assert_close(folded.logits(h), want, rtol=1e-5, atol=1e-5)
+        with pytest.raises(SpecdraftError, match="no teacher scores"):
+            folded.teacher_logits(torch.randn(2, 64))
+        # the drafter on the folded copy (the same seed: the same weights) against the unfolded network's maths
+        check_drafting_equals_training(target, model, HybridDrafter(folded, HybridOptions(topk=8, beams=8)))
+
+
+def test_narrow_drafters_on_the_fast_kernel_are_lossless(tiny_chat_target):
+    """Narrow networks, folded and on the fast kernel (fused steps at width 32, Q8_0 and Q4_0) or in torch's
+    modules: plain greedy, token for token."""
+    t = tiny_chat_target
+    ids = t.encode_prompt(PROMPTS[0])
+    ref = generate(t, ids, NoDrafter(), GenerateConfig(max_new_tokens=24)).token_ids
+    for kind, (s, m) in CONFIGS.items():
+        for blocks in ("Q8_0", "Q4_0", None):
+            model = _random_model(t, s, m, vocab=512, width=32)
+            if blocks:
+                assert model.prepack(int8=True, kind=blocks) and model.fast and model.lift is None
+                assert model.fast_serial == (s > 0)
+            d = HybridDrafter(model, HybridOptions(topk=3, beams=2))
+            d.default_budget = 5
+            got = generate(t, ids, d, GenerateConfig(max_new_tokens=24))
+            assert got.token_ids == ref, (kind, blocks)
+            assert got.stats.tree_nodes > 0
+
+
+def test_a_trained_narrow_drafter_loads_and_stays_exact(tiny_chat_target, tiny_train_data, tmp_path):
+    t = tiny_chat_target
+    path = tmp_path / "narrow.safetensors"
+    m = _train(t, tiny_train_data, path, epochs=3, feature_loss=0.1, width=32)
+    assert m["config"]["width"] == 32 and m["history"][-1]["train_loss"] < m["history"][0]["train_loss"]
+    wide = _train(t, tiny_train_data, tmp_path / "wide.safetensors", epochs=1)
+    assert m["params"] < wide["params"]
+    for spec in (str(path), f"{path}@int8=1", f"{path}@bf16=1"):
+        d = make_drafter(spec, t, budget=4)
+        assert isinstance(d, HybridDrafter) and d.model.layer_cfg.hidden_size == 32
+        for p in PROMPTS[:2]:
+            ids = t.encode_prompt(p)
+            ref = generate(t, ids, NoDrafter(), GenerateConfig(max_new_tokens=24)).token_ids
+            assert generate(t, ids, d, GenerateConfig(max_new_tokens=24)).token_ids == ref, spec
+    with pytest.raises(SpecdraftError, match="width"):
+        H.HybridTrainConfig(arch="eagle3", serial=2, parallel=0, width=32)

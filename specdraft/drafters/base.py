@@ -130,7 +130,8 @@ class TrainedDrafter:
         """A new sequence: ``root`` is the first tree's root; nothing committed in the cache yet."""
         self.root = root
         self.n = 0  # committed positions in the cache (= position of the root)
-        self.cache = DraftCache(self.cache_layers, self.cfg.num_kv_heads, self.cfg.head_dim)
+        shape = self.model.layer_cfg  # the network's own layers (narrower than the target's where it has a width)
+        self.cache = DraftCache(self.cache_layers, shape.num_kv_heads, shape.head_dim)
 
     def target_features(self, out: ForwardOutput, rows) -> Tensor:
         """The features this drafter reads, of the given rows of a target pass: [..rows, n_layers * H]

@@ -144,13 +144,13 @@ class HybridDrafter(TrainedDrafter):
     def __init__(self, model: HybridModel, options: HybridOptions | None = None, name: str | None = None,
                  manifest: dict | None = None) -> None:
         super().__init__(model, options or HybridOptions(), name or model.cfg.kind, manifest, model.cfg.serial_layers)
-        self.state: Tensor | None = None  # [H]: h^1 (S > 0) or g(f_{n-1}) (S = 0)
+        self.state: Tensor | None = None  # [W]: h^1 (S > 0) or g(f_{n-1}) (S = 0)
         self.floor = 0.0  # set by the loop each pass (LiveCosts.floor): the probability below which a node cannot pay
         # for its row on this machine now; the serial steps stop where no path reaches it
 
     # ------------------------------------------------------------------ protocol
     def _features(self, out: ForwardOutput, rows) -> Tensor:
-        """g(f) of the given rows of ``out``: [rows, H]."""
+        """g(f) of the given rows of ``out``: [rows, W]."""
         return self.model.feature(self.target_features(out, rows))
 
     @torch.inference_mode()
@@ -189,7 +189,7 @@ class HybridDrafter(TrainedDrafter):
     def _step(self, state: Tensor, tokens: Tensor, positions: Tensor, mask: Tensor | None, start: int) -> Tensor:
         """One serial step over T rows (``HybridModel.serial``) that attend to cache slots 0 .. start-1 and to
         each other as ``mask`` [1, 1, T, start+T] allows (None: all); their K/V are written at slots
-        start .. start+T-1.  On the fast kernel each layer is one C++ call.  Returns out [1, T, H]."""
+        start .. start+T-1.  On the fast kernel each layer is one C++ call.  Returns out [1, T, W]."""
         m = self.model
         if getattr(m, "fast_serial", False):  # EAGLE-3's layer reads 2H: its module path
             return m.serial_fast(state, tokens, positions, None if mask is None else mask[:, 0], self.cache.kv, start)
@@ -199,7 +199,7 @@ class HybridDrafter(TrainedDrafter):
 
     # ------------------------------------------------------------------ drafting
     def _topk(self, h: Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
-        """Top-k draft tokens (target ids) and log-probabilities of the rows of ``h`` [..., H]."""
+        """Top-k draft tokens (target ids) and log-probabilities of the rows of ``h`` [..., W]."""
         tokens, lp = self.model.top_logp(h, k)
         return tokens.tolist(), lp.tolist()
 
@@ -237,7 +237,7 @@ class HybridDrafter(TrainedDrafter):
                     mask[0, 0, i, off + rows[b][r]] = True
                 off += size
             mask[0, 0, :, off:] = torch.eye(nb, dtype=torch.bool, device=dev)
-            st = torch.stack([states[b][-1] for b in beam])[None]  # [1, nb, H]
+            st = torch.stack([states[b][-1] for b in beam])[None]  # [1, nb, W]
             tk = torch.tensor([[lv.tokens[b] for b in beam]], device=dev)
             pos = torch.full((1, nb), self.n + s - 2, device=dev)
             h = self._step(st, tk, pos, mask, off)

@@ -6,7 +6,10 @@ Serial part (S steps, EAGLE-style): decoder layers over u_i = fc([e(x_{i+1}) ; g
 the target's feature at position i and g = identity for one feature layer or a linear fusion of
 several RMS-normalised ones (EAGLE-3).  Parallel part (M heads): head j reads [h^1 .. h^S ; e(x^_S)]
 (S = 0: [g(f_{n-1}) ; e(x_n)]) and scores depth S+1+j: SiLU(Linear) then zero-initialised residual
-blocks, then the frozen LM-head rows.  How the drafter runs it: ``specdraft.drafters.hybrid``;
+blocks, then the frozen LM-head rows.  With ``width`` W < H (a cheap drafter on a CPU) the states h, g(f)
+and the heads' outputs are W wide, the layers are the target's at width W (``TargetShape.narrow``), the
+embeddings stay the target's (H wide), and the scores go through a learned lift W -> H into the frozen rows
+(``DraftModel``), folded into them for inference.  How the drafter runs it: ``specdraft.drafters.hybrid``;
 training: ``specdraft.train.hybrid``.
 """
 
@@ -32,6 +35,7 @@ class HybridConfig(TargetShape):
     head_blocks: int = 1  # zero-initialised residual blocks per MLP head (Gumiho: 5)
     feature_layers: tuple[int, ...] = (-1,)  # target features read (-1 = final normed state)
     draft_vocab: int = 8192  # LM-head rows drafted from (the most frequent tokens; 0 = all)
+    width: int = 0  # W: the network's own hidden size (0 = the target's H; narrower = a cheaper step)
 
     def __post_init__(self) -> None:
         self.feature_layers = tuple(int(x) for x in self.feature_layers)
@@ -40,6 +44,10 @@ class HybridConfig(TargetShape):
                                  f"(got {self.serial}, {self.parallel})")
         if self.serial_layers < 1 or self.head_blocks < 0 or not self.feature_layers:
             raise SpecdraftError("serial layers must be >= 1, head blocks >= 0, and at least one feature layer")
+        if not 0 <= self.width <= self.hidden_size:
+            raise SpecdraftError(f"width must be in 0 .. {self.hidden_size} (0 = the target's hidden size; "
+                                 f"got {self.width})")
+        self.narrow(self.width)  # a width the layers cannot take is refused here, not at the first forward
 
     @property
     def depth(self) -> int:
@@ -56,31 +64,33 @@ class HybridModel(DraftModel):
 
     def __init__(self, cfg: HybridConfig, embed: Tensor, lm_head: Tensor, vocab_ids: Tensor) -> None:
         super().__init__(cfg, embed, lm_head, vocab_ids)
-        h = cfg.hidden_size
+        h, w = cfg.hidden_size, self.layer_cfg.hidden_size  # the target's width, the network's
         n_feat = len(cfg.feature_layers)
         # several target layers (EAGLE-3 style): each is RMS-normalised before the fusing
         # projection, as the target's own next layer would read it; the raw residual stream of
         # middle layers carries massive activations (SmolLM2-135M layers 15, 27: |x| up to 2.5e4,
         # RMS ~65 vs 1.9 for the final state) that would otherwise swamp the projection
         self.feat_norms = nn.ModuleList(RMSNorm(h, cfg.rms_eps) for _ in range(n_feat)) if n_feat > 1 else None
-        self.fuse = nn.Linear(n_feat * h, h, bias=False) if n_feat > 1 else None
+        self.fuse = nn.Linear(n_feat * h, w, bias=False) if n_feat > 1 or w != h else None
         if cfg.serial > 0:
-            self.fc = nn.Linear(2 * h, h)
-            self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.serial_layers))
-        self.heads = nn.ModuleList(MLPHead((max(cfg.serial, 1) + 1) * h, h, cfg.head_blocks)
+            self.fc = nn.Linear(h + w, w)  # [e(x) ; state] -> W
+            self.layers = nn.ModuleList(DraftLayer(self.layer_cfg) for _ in range(cfg.serial_layers))
+        self.heads = nn.ModuleList(MLPHead(max(cfg.serial, 1) * w + h, w, cfg.head_blocks)
                                    for _ in range(cfg.parallel))
 
     def feature(self, f: Tensor) -> Tensor:
-        """[..., n_layers * H] target features -> [..., H]."""
+        """[..., n_layers * H] target features -> [..., W]."""
         if self.fuse is None:
             return f
+        if self.feat_norms is None:  # one feature layer into a narrower network
+            return self.fuse(f)
         parts = f.split(self.cfg.hidden_size, -1)
         return self.fuse(torch.cat([norm(x) for norm, x in zip(self.feat_norms, parts)], -1))
 
     def serial(self, state: Tensor, tokens: Tensor, positions: Tensor, mask: Tensor | None,
                past: list[tuple[Tensor, Tensor]] | None = None) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
-        """One serial step over T rows: state [B, T, H] (g(f) or the previous step's output),
-        tokens [B, T] (the token each row reads), positions [B, T].  Returns (out [B, T, H], the
+        """One serial step over T rows: state [B, T, W] (g(f) or the previous step's output),
+        tokens [B, T] (the token each row reads), positions [B, T].  Returns (out [B, T, W], the
         new (k, v) of every layer)."""
         rot = self.rotation(positions)
         x = self.fc(torch.cat([self.embed[tokens], state], -1))
@@ -100,7 +110,7 @@ class HybridModel(DraftModel):
                     start: int) -> Tensor:
         """``serial`` on the fast kernel: the T rows attend to slots 0 .. start-1 of every layer's cache
         ``kv`` ([2, 1, Hkv, S, D] each) and to each other as ``mask`` [1, T, start+T] allows (None: all), and
-        their K/V are written at slots start .. start+T-1.  Returns out [1, T, H]."""
+        their K/V are written at slots start .. start+T-1.  Returns out [1, T, W]."""
         x = self.fc(torch.cat([self.embed[tokens], state], -1)).float().contiguous()
         rot = self.rot_rows(positions)
         for layer, cache in zip(self.layers, kv):
@@ -108,6 +118,6 @@ class HybridModel(DraftModel):
         return x
 
     def head_states(self, x: Tensor, n: int | None = None) -> Tensor:
-        """[R, (max(S,1)+1) H] -> [R, n, H] outputs of the first ``n`` MLP heads."""
+        """[R, max(S,1) W + H] -> [R, n, W] outputs of the first ``n`` MLP heads."""
         heads = self.heads if n is None else self.heads[:n]
         return torch.stack([hd(x) for hd in heads], 1)

@@ -44,6 +44,24 @@ class TargetShape:
                    num_kv_heads=tcfg.num_kv_heads, head_dim=tcfg.head_dim, intermediate_size=tcfg.intermediate_size,
                    rms_eps=tcfg.rms_eps, rope_theta=tcfg.rope_theta, **kw)
 
+    def narrow(self, width: int) -> "TargetShape":
+        """The target's layer shape at another width W (0 or H: this shape): as many heads of the target's
+        head size as fit, its share of key/value heads (at least one, dividing the heads), the SwiGLU
+        width scaled by W / H (a multiple of 32)."""
+        if width in (0, self.hidden_size):
+            return self
+        if width < self.head_dim or width % self.head_dim or width % 32:
+            raise SpecdraftError(f"a drafter width must be a multiple of the head size {self.head_dim} and of 32 "
+                                 f"(got {width})")
+        heads = width // self.head_dim
+        kv = max(1, heads * self.num_kv_heads // self.num_heads)
+        while heads % kv:
+            kv -= 1
+        inter = max(32, round(self.intermediate_size * width / self.hidden_size / 32) * 32)
+        return TargetShape(hidden_size=width, vocab_size=self.vocab_size, num_heads=heads, num_kv_heads=kv,
+                           head_dim=self.head_dim, intermediate_size=inter, rms_eps=self.rms_eps,
+                           rope_theta=self.rope_theta)
+
     @classmethod
     def from_json(cls, d: dict):
         """From a checkpoint manifest's ``config`` (keys this version does not know are ignored), each value
@@ -62,7 +80,7 @@ class TargetShape:
 
 MAX_COUNT = 32  # the largest layer / head / step / position count a drafter config may state (shipped: <= 8)
 _SIZES = ("hidden_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "draft_vocab",
-          "mask_token")  # checked against the target instead (nn.checkpoint.check_fits)
+          "mask_token", "width")  # checked against the target instead (nn.checkpoint.check_fits)
 
 
 def _fits_type(value, hint) -> bool:
@@ -197,11 +215,19 @@ class DraftModel(nn.Module):
     for a draft vocabulary are frozen, non-persistent buffers (shared, never saved); only
     ``vocab_ids`` [V'] (target ids of the draft vocabulary) is stored with the weights.  Scoring
     over V' rows instead of the whole vocabulary is EAGLE-3's reduced draft vocabulary: a step
-    costs a fraction of a full LM head on a CPU."""
+    costs a fraction of a full LM head on a CPU.
+
+    A narrow network (``cfg.width`` W < H) works at width W and reads out through a learned ``lift``
+    W -> H into those frozen rows: logits = head_w (lift h).  For inference the product head_w lift
+    [V', W] is taken once (``fold_lift``), so a drafted row's scores cost V' W, not V' H."""
 
     def __init__(self, cfg: TargetShape, embed: Tensor, lm_head: Tensor, vocab_ids: Tensor) -> None:
         super().__init__()
         self.cfg = cfg
+        self.layer_cfg = cfg.narrow(getattr(cfg, "width", 0))  # the shape of the network's own layers (width W)
+        w, h = self.layer_cfg.hidden_size, cfg.hidden_size
+        self.lift = nn.Linear(w, h, bias=False) if w != h else None  # W -> H before the frozen head rows
+        self._folded = False  # head_w is head_w @ lift (fold_lift): scores read W-wide states directly
         self.register_buffer("vocab_ids", vocab_ids.long().clone())
         self.register_buffer("embed", embed.detach(), persistent=False)  # [V, H]
         self.register_buffer("head_w", lm_head.detach()[self.vocab_ids].contiguous(), persistent=False)  # [V', H]
@@ -234,16 +260,33 @@ class DraftModel(nn.Module):
         call each (where their shape allows: ``DraftLayer.fast``), the head's top-k taken in C++."""
         return self._fused
 
+    def fold_lift(self) -> None:
+        """For inference: the lift into the head rows taken once, head_w <- head_w @ lift [V', W] (in fp32, then
+        the network's dtype), so a row's scores cost V' W.  The target's own scores over the rows
+        (``teacher_logits``, a training signal) are gone after it."""
+        if self.lift is None:
+            return
+        w = self.lift.weight.detach().float()
+        self.head_w = (self.head_w.float() @ w).to(self.head_w.dtype).contiguous()
+        self.lift = None
+        self._folded = True
+
+    def lift_state(self, h: Tensor) -> Tensor:
+        """A state of the network's width [..., W] at the target's width [..., H] (through the lift; W = H: as is)."""
+        return h if self.lift is None else self.lift(h)
+
     def prepack(self, int8: bool = False, fused: bool = True, kind: str = "Q8_0") -> bool:
         """Get ready for inference on a CPU: with ``int8``, every linear layer and the head on the fast
         kernel (weights rounded to Q8_0, 8-bit activations: ``model.fast``) and, with ``fused``, each decoder
         layer one call of it and the top-k in C++ (without: the same 8-bit projections under torch's modules,
         the reference the fused path is tested against); ``kind``: the weights' blocks there (Q8_0, or Q4_0:
         half the bytes a drafting step reads); otherwise, on a bfloat16 CPU, let oneDNN reorder every weight
-        once (``model.packed``) instead of on every call.  Returns whether it did either."""
+        once (``model.packed``) instead of on every call.  Either way the lift is folded into the head rows
+        first (``fold_lift``).  Returns whether it did either."""
+        if int8 and not kernel_available():
+            return False
+        self.fold_lift()
         if int8:
-            if not kernel_available():
-                return False
             quantize_linears(self, kind)
             if fused:
                 for layer in self.modules():
@@ -257,16 +300,22 @@ class DraftModel(nn.Module):
 
     def teacher_logits(self, f: Tensor) -> Tensor:
         """The target's own scores over the draft vocabulary from its final (normed) feature f [..., H]."""
-        return self.logits(f)
+        if self._folded:
+            raise SpecdraftError("a drafter whose lift is folded into its head rows (for inference) has no teacher scores")
+        if self.lift is None:
+            return self.logits(f)
+        return F.linear(f.reshape(-1, f.shape[-1]), self.head_w).view(*f.shape[:-1], -1)
 
     def logits(self, h: Tensor) -> Tensor:
-        """[..., H] -> [..., V'] scores over the draft vocabulary (frozen LM-head rows)."""
+        """[..., W] -> [..., V'] scores over the draft vocabulary (frozen LM-head rows, through the lift)."""
+        if self.lift is not None:
+            h = self.lift(h)
         h2 = h.reshape(-1, h.shape[-1])  # one matmul, not a batched one
         y = F.linear(h2, self.head_w) if self._head is None else self._head(h2).to(h2.dtype)
         return y.view(*h.shape[:-1], -1)
 
     def top_logp(self, h: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        """The k most likely draft tokens of each row of h [..., H], descending: (target ids LongTensor
+        """The k most likely draft tokens of each row of h [..., W], descending: (target ids LongTensor
         [..., k], log-probabilities fp32 [..., k]); on the fast kernel without the V'-wide log-softmax."""
         return self.top_of_logits(self.logits(h), k)
 

@@ -54,6 +54,7 @@ class HybridTrainConfig:
     head_blocks: int = 1  # residual blocks per MLP head
     feature_layers: tuple[int, ...] = (-1,)  # target features read by the drafter
     draft_vocab: int = 8192  # LM-head rows drafted from (0 = the full vocabulary)
+    width: int = 0  # the drafter's own hidden size (0 = the target's; hybrid only)
     epochs: int = 4
     anchors: int = 64  # anchors sampled per sequence and epoch (0 = every response position)
     batch_tokens: int = 4096  # padded tokens per batch (whole sequences)
@@ -74,8 +75,9 @@ class HybridTrainConfig:
         self.feature_layers = tuple(int(x) for x in self.feature_layers)
         if self.arch not in MODELS or self.arch == "block":
             raise SpecdraftError(f"arch must be 'hybrid' or 'eagle3' (got {self.arch!r})")
-        if self.arch == "eagle3" and (self.parallel or self.serial_layers != 1 or self.serial < 1):
-            raise SpecdraftError("an eagle3 drafter is serial steps of one layer: serial >= 1, parallel 0, serial_layers 1")
+        if self.arch == "eagle3" and (self.parallel or self.serial_layers != 1 or self.serial < 1 or self.width):
+            raise SpecdraftError("an eagle3 drafter is serial steps of one layer at the target's width: serial >= 1, "
+                                 "parallel 0, serial_layers 1, width 0")
         if not 0.0 <= self.head_grad <= 1.0:
             raise SpecdraftError(f"head_grad must be in [0, 1] (got {self.head_grad})")
         if not 0.0 <= self.distill <= 1.0:
@@ -90,7 +92,8 @@ class HybridTrainConfig:
                                            draft_vocab=self.draft_vocab)
         return HybridConfig.for_target(tcfg, serial=self.serial, parallel=self.parallel,
                                        serial_layers=self.serial_layers, head_blocks=self.head_blocks,
-                                       feature_layers=self.feature_layers, draft_vocab=self.draft_vocab)
+                                       feature_layers=self.feature_layers, draft_vocab=self.draft_vocab,
+                                       width=self.width)
 
 
 # ---------------------------------------------------------------------------- loss
@@ -133,7 +136,7 @@ def scale_grad(x: Tensor, share: float) -> Tensor:
 
 
 def draft_states(model: HybridModel, batch: AnchorBatch, unroll: int = 0, head_grad: float = 1.0) -> list[Tensor]:
-    """Teacher-forced drafter states at every anchor: per depth d = 1 .. S+M, [B, A, H], the state
+    """Teacher-forced drafter states at every anchor: per depth d = 1 .. S+M, [B, A, W], the state
     whose LM-head scores draft depth d (label x_{i+1+d}); the same maths as the drafter's steps.
     ``unroll`` > S runs the serial part for that many steps and appends the extra serial states
     (depths S+1 .. unroll) after the S+M drafter states: a training signal for the serial part only
@@ -147,11 +150,11 @@ def draft_states(model: HybridModel, batch: AnchorBatch, unroll: int = 0, head_g
     dev = tok.device
     if mc.serial > 0:
         # step 1 over every position i (input f_i, x_{i+1}), causal
-        g = model.feature(batch.feats)  # [B, T, H]
+        g = model.feature(batch.feats)  # [B, T, W]
         causal = torch.tril(torch.ones(t - 1, t - 1, dtype=torch.bool, device=dev))[None, None]
         pos = torch.arange(t - 1, device=dev)[None].expand(b, -1)
         h1, ctx = model.serial(g[:, : t - 1], tok[:, 1:], pos, causal)
-        hs = [take(h1, anc)]  # [B, A, H]
+        hs = [take(h1, anc)]  # [B, A, W]
         sees_ctx = torch.arange(t - 1, device=dev)[None, None] <= anc[:, :, None]  # [B, A, T-1]
         own = torch.eye(a, dtype=torch.bool, device=dev)[None].expand(b, -1, -1)
         blocks: list[list[tuple[Tensor, Tensor]]] = []
@@ -170,8 +173,8 @@ def draft_states(model: HybridModel, batch: AnchorBatch, unroll: int = 0, head_g
         hs, head_in = [], [model.feature(take(batch.feats, anc))]
     if mc.parallel > 0:
         last_tok, _ = token_at(batch, mc.serial + 1)
-        x = torch.cat(head_in + [model.embed[last_tok]], -1)  # [B, A, (max(S,1)+1) H]
-        states = model.head_states(x.flatten(0, 1)).unflatten(0, (b, a))  # [B, A, M, H]
+        x = torch.cat(head_in + [model.embed[last_tok]], -1)  # [B, A, max(S,1) W + H]
+        states = model.head_states(x.flatten(0, 1)).unflatten(0, (b, a))  # [B, A, M, W]
         hs += [states[:, :, j] for j in range(mc.parallel)]
     return hs + extra
 
@@ -229,8 +232,10 @@ def losses(model: HybridModel, batch: AnchorBatch, t2d: Tensor, cfg: HybridTrain
         stats.correct[d - 1] += int((logits.argmax(-1) == lab[ok]).sum())
         stats.ce[d - 1] += float(ce.detach())
         if d <= mc.serial and cfg.feature_loss > 0 and batch.final is not None:
-            # h^d should match the target's final feature f_{i+d} (which predicted the same token)
-            reg = F.smooth_l1_loss(h[ok], final_at(batch, d)[ok], reduction="sum") / h.shape[-1]
+            # h^d (lifted to the target's width) should match the target's final feature f_{i+d} (which
+            # predicted the same token)
+            lifted = model.lift_state(h[ok])
+            reg = F.smooth_l1_loss(lifted, final_at(batch, d)[ok], reduction="sum") / lifted.shape[-1]
             total = total + cfg.feature_loss * w * reg / norm
     return total, stats
 
@@ -369,7 +374,7 @@ def train_hybrid(target, data_dir, feat_dir, out: str | Path, cfg: HybridTrainCo
     total_steps = sum(len(p) for p in plans)
     spath = state_path(out)
     fp_cfg = asdict(cfg)
-    for name in ("distill", "init", "arch"):  # absent at their defaults, so runs started before the options still resume
+    for name in ("distill", "init", "arch", "width"):  # absent at their defaults, so runs started before the options still resume
         if not fp_cfg[name] or fp_cfg[name] == "hybrid":
             del fp_cfg[name]
     fp_data = data_sha256(data_manifest) if len(data_manifests) == 1 else [data_sha256(m) for m in data_manifests]

@@ -30,7 +30,8 @@ from specdraft.replay import greedy_outputs, sequence_hidden, simulate
 from specdraft.datasets import load_prompts
 from specdraft.model.load import cache_dir
 from specdraft.target import Target
-from specdraft.train.prompts import REASONING_TASKS, TRAIN_SEED_BASE, _rg_prompts, codeio_rows, magpie_prompts
+from specdraft.train.prompts import REASONING_TASKS, TRAIN_SEED_BASE, _rg_prompts, magpie_prompts
+from specdraft.train.sources import codeio_rows
 
 SEED = TRAIN_SEED_BASE + 5_000  # seeds the training prompts never used
 PRIOR = 2.0  # pseudo-counts pulling a sparse lookup cell towards its depth's pooled rate

@@ -138,7 +138,8 @@ def test_build_excludes_the_prompts_of_another_data_folder(tiny_chat_target, tmp
 
 
 def test_magpie_prompts_come_from_the_user_prefix(tiny_chat_target):
-    from specdraft.train.prompts import magpie_prompts, user_prefix
+    from specdraft.train.prompts import magpie_prompts
+    from specdraft.train.sources import user_prefix
 
     prefix = user_prefix(tiny_chat_target.tokenizer)
     assert prefix.endswith("<|im_start|>user\n")

@@ -15,9 +15,6 @@ topic steers (weakly, at 135M) the subject, and sampling gives the variety.
 
 from __future__ import annotations
 
-import gzip
-import importlib.util
-import json
 import random
 
 import torch
@@ -25,6 +22,7 @@ from tqdm import tqdm
 
 from specdraft.errors import SpecdraftError
 from specdraft.model.batched_decode import generate_batch
+from specdraft.train.sources import codeio_rows, user_prefix
 from specdraft.verify import Sampling
 
 SPLITS = ("train", "heldout")
@@ -139,10 +137,7 @@ def sample_texts(target, prefixes: list[list[int]], max_new_tokens: int, seed: i
 
 def _prefix_ids(target, messages: list[dict], lead: str = "") -> list[int]:
     """The chat template of ``messages`` followed by a new user turn that starts with ``lead``."""
-    tok = target.tokenizer
-    mark = "\x00USER\x00"
-    text = tok.apply_chat_template(messages + [{"role": "user", "content": mark}], tokenize=False)
-    return tok(text[: text.index(mark)] + lead, add_special_tokens=False).input_ids
+    return target.tokenizer(user_prefix(target.tokenizer, messages) + lead, add_special_tokens=False).input_ids
 
 
 def _whole_sentences(text: str, finished: bool) -> str:
@@ -212,23 +207,11 @@ def followup_conversations(target, n: int, seed: int, split: str = "train", quie
     return out[:n]
 
 
-def _codeio_rows() -> list[dict]:
-    spec = importlib.util.find_spec("reasoning_gym")
-    if spec is None or not spec.submodule_search_locations:
-        raise SpecdraftError("reasoning-gym is missing: `pip install reasoning-gym`")
-    from pathlib import Path
-
-    with gzip.open(Path(spec.submodule_search_locations[0]) / "data" / "codeio.jsonl.gz", "rt") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    random.Random(1_000).shuffle(rows)  # the same seeded shuffle as the ``codeio`` source
-    return rows
-
-
 def code_prompts(n: int, seed: int, split: str = "train") -> list[str]:
     """A code task (write, explain, document, test, simplify, plan) over a codeio program; the
     held-out split uses other tasks over the last ``CODEIO_HELDOUT_ROWS`` programs."""
     _check_split(split)
-    rows = _codeio_rows()
+    rows = codeio_rows()
     rows = rows[:-CODEIO_HELDOUT_ROWS] if split == "train" else rows[-CODEIO_HELDOUT_ROWS:]
     rng = random.Random(seed + 4)
     out = []

@@ -20,14 +20,10 @@ after normalisation; a match is dropped, so no benchmark prompt enters the train
 from __future__ import annotations
 
 import functools
-import gzip
-import importlib.util
-import json
 import random
 import re
 import sys
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -35,6 +31,7 @@ from tqdm import tqdm
 from specdraft.datasets import GSM_EVAL_SEED, gsm_prompts, humaneval_prompts, mtbench_turns
 from specdraft.errors import SpecdraftError
 from specdraft.model.batched_decode import generate_batch
+from specdraft.train.sources import codeio_rows, user_prefix
 from specdraft.verify import Sampling
 
 SOURCES = ("gsm", "reasoning", "codeio", "magpie", "topics", "writing", "followup", "code", "tasks")
@@ -49,7 +46,6 @@ GSM_EVAL_GUARD = 500  # this many gsm eval prompts are excluded from training
 REASONING_TASKS = ("basic_arithmetic", "chain_sum", "leg_counting", "letter_counting", "number_sorting",
                    "word_sorting", "spell_backward", "caesar_cipher", "simple_equations", "fraction_simplification",
                    "gcd", "lcm", "word_ladder", "family_relationships", "calendar_arithmetic")
-MAGPIE_PLACEHOLDER = "\x00MAGPIE\x00"
 
 
 @dataclass
@@ -126,19 +122,6 @@ def reasoning_prompts(n: int) -> list[Prompt]:
     return out[:n]
 
 
-def codeio_rows() -> list[dict]:
-    """The code problems bundled with reasoning-gym, in the training's seeded order: the ``codeio``
-    source takes rows from the start, the mix's held-out part and the calibration from the end."""
-    spec = importlib.util.find_spec("reasoning_gym")
-    if spec is None or not spec.submodule_search_locations:
-        raise SpecdraftError("reasoning-gym is missing: `pip install reasoning-gym`")
-    path = Path(spec.submodule_search_locations[0]) / "data" / "codeio.jsonl.gz"
-    with gzip.open(path, "rt") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    random.Random(TRAIN_SEED_BASE).shuffle(rows)
-    return rows
-
-
 def codeio_prompts(n: int) -> list[Prompt]:
     rows = codeio_rows()
     out = []
@@ -149,12 +132,6 @@ def codeio_prompts(n: int) -> list[Prompt]:
             text = f"Explain what this Python code does.\n\n```python\n{row['code_sample'].strip()}\n```"
         out.append(Prompt(0, "codeio", text, None))
     return out
-
-
-def user_prefix(tokenizer, messages: list[dict] = ()) -> str:
-    """The chat template's text up to where a new user message starts (after ``messages``, if any)."""
-    text = tokenizer.apply_chat_template([*messages, {"role": "user", "content": MAGPIE_PLACEHOLDER}], tokenize=False)
-    return text[: text.index(MAGPIE_PLACEHOLDER)]
 
 
 def magpie_prompts(target, n: int, seed: int = TRAIN_SEED_BASE, batch_size: int = 32, quiet: bool = False) -> list[Prompt]:

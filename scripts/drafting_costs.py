@@ -24,8 +24,10 @@ from specdraft.target import Target
 from step_times import timed  # (this folder is on the path when the script runs)
 
 
-def measure(target, spec: str, prompts: list[list[int]], max_new: int) -> dict:
-    d = make_drafter(spec, target)
+def measure(target, spec: str, prompts: list[list[int]], max_new: int, budget: int | None = None,
+            dynamic: bool = True) -> dict:
+    d = make_drafter(spec, target, budget=budget if spec != "none" else None)
+    cfg = GenerateConfig(max_new_tokens=max_new, dynamic=dynamic)
     acc: dict = defaultdict(float)
     for attr in ("propose", "commit"):
         timed(d, attr, attr, acc)
@@ -34,7 +36,7 @@ def measure(target, spec: str, prompts: list[list[int]], max_new: int) -> dict:
     passes = toks = rows = 0
     wall = 0.0
     for ids in prompts:
-        r = generate(target, ids, d, GenerateConfig(max_new_tokens=max_new))
+        r = generate(target, ids, d, cfg)
         passes, toks = passes + r.stats.passes, toks + r.stats.new_tokens
         rows += r.stats.tree_nodes + r.stats.passes
         wall += r.stats.wall_s - r.stats.prefill_s
@@ -51,13 +53,15 @@ def main() -> None:
     ap.add_argument("--datasets", default="gsm,humaneval,mtbench")
     ap.add_argument("--n", type=int, default=2, help="prompts per dataset")
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--budget", type=int, default=None, help="drafted nodes per tree for every drafter (default: each one's own)")
+    ap.add_argument("--static", action="store_true", help="every tree as proposed (no live cut or pause)")
     ap.add_argument("--out", default="", help="write the results here (JSON)")
     args = ap.parse_args()
     target = Target.load()
     prompts = [target.encode_prompt(p) for ds in args.datasets.split(",") for p in load_prompts(ds, args.n)]
     rows = []
     for spec in ["none", *args.drafters, "none"]:
-        r = measure(target, spec, prompts, args.max_new_tokens)
+        r = measure(target, spec, prompts, args.max_new_tokens, args.budget, not args.static)
         rows.append(r)
         print(f"{spec:24s} budget {r['budget']!s:>3}  drafting {r['drafting_ms']:6.3f} ms/pass (propose "
               f"{r['propose_ms']:.3f}, commit {r['commit_ms']:.3f})  {r['tokens_per_pass']:.2f} tok/pass  "
@@ -68,6 +72,7 @@ def main() -> None:
         r["speedup_vs_plain"] = r["tok_s"] / (1000 / plain)
     out = {"cpu": cpu_name(), **kernel_info(target.model), "threads": torch.get_num_threads(),
            "datasets": args.datasets, "n_per_dataset": args.n, "max_new_tokens": args.max_new_tokens,
+           "budget": args.budget, "dynamic": not args.static,
            "plain_ms_per_token": plain, "rows": rows}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

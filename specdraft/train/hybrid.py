@@ -361,7 +361,8 @@ def train_hybrid(target, data_dir, feat_dir, out: str | Path, cfg: HybridTrainCo
         model.load_state_dict({k: v.to(dev) for k, v in init_tensors.items()})
         log(f"starting from {cfg.init} ({len(init_manifest.get('history', []))} epochs trained)")
     n_target = sum(p.numel() for p in tm.parameters())
-    log(f"{mcfg.kind} drafter (serial {mcfg.serial}, parallel {mcfg.parallel}): {model.n_params():,} trainable "
+    width = f", width {model.layer_cfg.hidden_size}" if model.layer_cfg.hidden_size != tcfg.hidden_size else ""
+    log(f"{mcfg.kind} drafter (serial {mcfg.serial}, parallel {mcfg.parallel}{width}): {model.n_params():,} trainable "
         f"parameters ({model.n_params() / n_target:.1%} of the target); draft vocabulary {len(vocab_ids)} tokens "
         f"covering {covered:.2%} of training response tokens; {len(train_ids)} training / {len(val_ids)} held-out sequences")
     opt = adamw(model, cfg.lr, cfg.weight_decay)

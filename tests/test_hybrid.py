@@ -205,6 +205,11 @@ def test_each_feature_layer_is_normalised_before_fusing(tiny_llama):
     other = f.clone()
     other[:, :h] = torch.randn(5, h, generator=torch.Generator().manual_seed(1))
     assert (model.feature(other) - model.feature(f)).abs().max() > 1e-2
+    with torch.no_grad():  # the layers' norms taken together are each layer's RMSNorm module
+        for nm in model.feat_norms:
+            nm.weight.normal_(1.0, 0.5)
+        one_by_one = torch.cat([nm(x) for nm, x in zip(model.feat_norms, f.split(h, -1))], -1)
+        torch.testing.assert_close(model.feature(f), model.fuse(one_by_one), rtol=1e-6, atol=1e-6)
 
 
 def test_serial_unroll_adds_the_longer_serial_parts_states_only(tiny_llama):

@@ -84,8 +84,12 @@ class HybridModel(DraftModel):
             return f
         if self.feat_norms is None:  # one feature layer into a narrower network
             return self.fuse(f)
-        parts = f.split(self.cfg.hidden_size, -1)
-        return self.fuse(torch.cat([norm(x) for norm, x in zip(self.feat_norms, parts)], -1))
+        # each layer's RMSNorm (``feat_norms``), all layers in one set of ops: [..., n, H] normed over H
+        x = f.unflatten(-1, (len(self.feat_norms), self.cfg.hidden_size))
+        y = x.float()
+        y = (y * torch.rsqrt(y.square().mean(-1, keepdim=True) + self.cfg.rms_eps)).to(f.dtype)
+        scale = torch.stack([norm.weight for norm in self.feat_norms])  # [n, H]
+        return self.fuse((y * scale).flatten(-2))
 
     def serial(self, state: Tensor, tokens: Tensor, positions: Tensor, mask: Tensor | None,
                past: list[tuple[Tensor, Tensor]] | None = None) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:

@@ -20,6 +20,34 @@ from specdraft.model.fast import kernel_info
 from specdraft.target import Target
 
 
+def interleave(target, prompts: list[list[int]], runs: dict, max_new: int, rotate: bool = False) -> dict:
+    """Every run on each prompt before the next prompt.  ``runs``: key -> (drafter, dynamic), the first key plain
+    decoding (the reference outputs and the base of the speed-ups); ``rotate``: the order turns by one each
+    prompt (no method always runs first).  Returns per key the totals (tokens, passes, wall_s without prefill,
+    draft_s, exact: outputs equal to the first run's) and tok_s, speedup, tokens_per_pass, ms_per_pass, draft_ms."""
+    keys = list(runs)
+    tot = {key: {"tokens": 0, "passes": 0, "wall_s": 0.0, "draft_s": 0.0, "exact": 0} for key in keys}
+    for i, ids in enumerate(prompts):
+        order = keys[i % len(keys):] + keys[: i % len(keys)] if rotate else keys
+        outs = {key: generate(target, ids, runs[key][0], GenerateConfig(max_new_tokens=max_new, dynamic=runs[key][1]))
+                for key in order}
+        for key, r in outs.items():
+            t = tot[key]
+            t["tokens"] += r.stats.new_tokens
+            t["passes"] += r.stats.passes
+            t["wall_s"] += r.stats.wall_s - r.stats.prefill_s
+            t["draft_s"] += r.stats.draft_s
+            t["exact"] += r.token_ids == outs[keys[0]].token_ids
+    base = tot[keys[0]]["tokens"] / tot[keys[0]]["wall_s"]
+    for t in tot.values():
+        t["tok_s"] = t["tokens"] / t["wall_s"]
+        t["speedup"] = t["tok_s"] / base
+        t["tokens_per_pass"] = t["tokens"] / t["passes"]
+        t["ms_per_pass"] = 1000 * t["wall_s"] / t["passes"]
+        t["draft_ms"] = 1000 * t["draft_s"] / t["passes"]
+    return tot
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("dataset")
@@ -35,28 +63,11 @@ def main() -> None:
     drafters = {key: make_drafter(spec, target) for key, spec, _ in runs}
     for key, _, dyn in runs:  # warm-up
         generate(target, prompts[0], drafters[key], GenerateConfig(max_new_tokens=16, dynamic=dyn))
-    tot = {key: {"tokens": 0, "passes": 0, "wall_s": 0.0, "draft_s": 0.0, "exact": 0} for key, _, _ in runs}
-    for ids in prompts:
-        ref = None
-        for key, _, dyn in runs:
-            r = generate(target, ids, drafters[key], GenerateConfig(max_new_tokens=a.max_new, dynamic=dyn))
-            ref = r.token_ids if ref is None else ref
-            t = tot[key]
-            t["tokens"] += r.stats.new_tokens
-            t["passes"] += r.stats.passes
-            t["wall_s"] += r.stats.wall_s - r.stats.prefill_s
-            t["draft_s"] += r.stats.draft_s
-            t["exact"] += r.token_ids == ref
-    base = tot["none"]["tokens"] / tot["none"]["wall_s"]
+    tot = interleave(target, prompts, {key: (drafters[key], dyn) for key, _, dyn in runs}, a.max_new)
     print(f"{a.dataset}, {len(prompts)} prompts, {a.max_new} tokens, kernel {kernel_info(target.model)['isa']}")
     for key, _, _ in runs:
         t = tot[key]
         t["budget"] = drafters[key].default_budget
-        t["tok_s"] = t["tokens"] / t["wall_s"]
-        t["speedup"] = t["tok_s"] / base
-        t["tokens_per_pass"] = t["tokens"] / t["passes"]
-        t["ms_per_pass"] = 1000 * t["wall_s"] / t["passes"]
-        t["draft_ms"] = 1000 * t["draft_s"] / t["passes"]
         print(f"  {key:28s} cap {t['budget']:2d}  {t['tokens_per_pass']:.2f} tok/pass  {t['ms_per_pass']:6.2f} ms/pass "
               f"(drafting {t['draft_ms']:.2f})  {t['tok_s']:6.1f} tok/s  {t['speedup']:.2f}x  exact {t['exact']}/{len(prompts)}")
     if a.out:

@@ -17,9 +17,9 @@ import json
 from specdraft.datasets import load_prompts
 from specdraft.drafters import make_drafter
 from specdraft.drafters.calibration import Calibration
-from specdraft.generate import GenerateConfig, generate
 from specdraft.model.fast import kernel_info
 from specdraft.target import Target
+from interleaved import interleave  # (this folder is on the path when the script runs)
 
 FRESH = ",".join(f"docs/prompts/{s}_{c}.jsonl" for s in ("fresh2", "fresh") for c in ("chat", "math", "code"))
 
@@ -41,31 +41,14 @@ def main() -> None:
     old.name = f"{a.name}_before"  # the live policy keeps its costs per name
     new = make_drafter(a.name, t)
     old.default_budget = new.default_budget = max(old.default_budget, new.default_budget)
-    runs = {"none": make_drafter("none", t), old.name: old, a.name: new}
+    runs = {"none": (make_drafter("none", t), True), old.name: (old, True), a.name: (new, True)}
     res = {}
     for ds in a.datasets.split(","):
         prompts = [t.encode_prompt(p) for p in load_prompts(ds, a.n)]
-        tot = {k: {"tokens": 0, "passes": 0, "wall_s": 0.0, "draft_s": 0.0, "exact": 0} for k in runs}
-        for i, ids in enumerate(prompts):
-            keys = list(runs)
-            outs = {k: generate(t, ids, runs[k], GenerateConfig(max_new_tokens=a.max_new))
-                    for k in keys[i % 3:] + keys[: i % 3]}
-            for k, r in outs.items():
-                x = tot[k]
-                x["tokens"] += r.stats.new_tokens
-                x["passes"] += r.stats.passes
-                x["wall_s"] += r.stats.wall_s - r.stats.prefill_s
-                x["draft_s"] += r.stats.draft_s
-                x["exact"] += r.token_ids == outs["none"].token_ids
-        base = tot["none"]["tokens"] / tot["none"]["wall_s"]
-        for k, x in tot.items():
-            x["tok_s"] = x["tokens"] / x["wall_s"]
-            x["speedup"] = x["tok_s"] / base
-            x["tokens_per_pass"] = x["tokens"] / x["passes"]
-            x["draft_ms"] = 1000 * x["draft_s"] / x["passes"]
+        res[ds] = interleave(t, prompts, runs, a.max_new, rotate=True)
+        for k, x in res[ds].items():
             print(f"{ds:36s} {k:16s} {x['tokens_per_pass']:.2f} tok/pass  {x['tok_s']:6.1f} tok/s  {x['speedup']:.2f}x  "
                   f"drafting {x['draft_ms']:.2f} ms  exact {x['exact']}/{len(prompts)}", flush=True)
-        res[ds] = tot
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"kernel": kernel_info(t.model), "budget_cap": new.default_budget, "results": res}, f, indent=1)

@@ -31,7 +31,7 @@ from tqdm import tqdm
 from specdraft.datasets import GSM_EVAL_SEED, gsm_prompts, humaneval_prompts, mtbench_turns
 from specdraft.errors import SpecdraftError
 from specdraft.model.batched_decode import generate_batch
-from specdraft.train.sources import codeio_rows, user_prefix
+from specdraft.train.sources import TRAIN_SEED_BASE, codeio_rows, user_prefix
 from specdraft.verify import Sampling
 
 SOURCES = ("gsm", "reasoning", "codeio", "magpie", "topics", "writing", "followup", "code", "tasks")
@@ -41,7 +41,6 @@ MIX = ("gsm", "magpie") + MIX_SOURCES  # ``--sources mix``: the broad training m
 SOURCE_WEIGHTS = {"gsm": 0.3, "reasoning": 0.25, "codeio": 0.25, "magpie": 0.2,
                   "topics": 0.6, "writing": 0.3, "followup": 0.3, "code": 0.3, "tasks": 0.25}
 SAMPLED_TEMPERATURE = 0.7  # the temperature of the responses a build samples (``sampled`` share)
-TRAIN_SEED_BASE = 1_000  # training seeds: TRAIN_SEED_BASE + i, never GSM_EVAL_SEED
 GSM_EVAL_GUARD = 500  # this many gsm eval prompts are excluded from training
 REASONING_TASKS = ("basic_arithmetic", "chain_sum", "leg_counting", "letter_counting", "number_sorting",
                    "word_sorting", "spell_backward", "caesar_cipher", "simple_equations", "fraction_simplification",

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from specdraft.errors import SpecdraftError
 
-CODEIO_SHUFFLE_SEED = 1_000  # the codeio rows' order (prompts.TRAIN_SEED_BASE, as when the source was first built)
+TRAIN_SEED_BASE = 1_000  # training seeds: TRAIN_SEED_BASE + i, never GSM_EVAL_SEED (also the codeio rows' order)
 USER_PLACEHOLDER = "\x00MAGPIE\x00"  # a user message no template changes, cut off again
 
 
@@ -25,7 +25,7 @@ def codeio_rows() -> list[dict]:
     path = Path(spec.submodule_search_locations[0]) / "data" / "codeio.jsonl.gz"
     with gzip.open(path, "rt") as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    random.Random(CODEIO_SHUFFLE_SEED).shuffle(rows)
+    random.Random(TRAIN_SEED_BASE).shuffle(rows)
     return rows
 
 

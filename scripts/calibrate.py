@@ -12,6 +12,9 @@ the fitted maps' reliability is also measured on those prompts (not used for fit
 
     python scripts/calibrate.py --prompts 48 --max-new 128 --out docs/results/calibration \
         [--drafters ngram,phrase,gumiho] [--check docs/prompts/fresh_chat.jsonl ...] [--write]
+
+With ``--target FILE.gguf`` the maps are fitted for that target's shipped weights and written under
+``NAME@MODEL`` (``calibration.entry_key``) beside the default target's.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 import torch
 
 from specdraft.drafters import make_drafter
-from specdraft.drafters.calibration import CALIBRATION_FILE, Calibration, fit, load_calibrations
+from specdraft.drafters.calibration import CALIBRATION_FILE, Calibration, entry_key, fit, load_calibrations
 from specdraft.drafters.ngram import NgramDrafter, lookup_key
 from specdraft.replay import greedy_outputs, sequence_hidden, simulate
 from specdraft.datasets import load_prompts
@@ -136,12 +139,13 @@ def main() -> None:
     ap.add_argument("--drafters", default="ngram,phrase")
     ap.add_argument("--check", nargs="*", default=[])
     ap.add_argument("--out", default="docs/results/calibration")
+    ap.add_argument("--target", default="default", help="the target whose drafters are fitted (default: the default target)")
     ap.add_argument("--write", action="store_true", help=f"write the fitted maps into {CALIBRATION_FILE}")
     a = ap.parse_args()
     torch.manual_seed(0)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    target = Target.load()
+    target = Target.load(a.target)
     cal_texts = calibration_prompts(a.prompts, target)
     cal_ids = [target.encode_prompt(t) for t in cal_texts]
     cache = cache_dir() / "calibration"  # the greedy outputs (regenerated when the prompts or target change)
@@ -171,7 +175,7 @@ def main() -> None:
         scores, acc = pairs_of(replay(target, d, cal_ids, cal_out, a.budget))
         if name != "ngram":
             cal = fit(scores, acc)
-            fitted[name] = {"target": target.weight_hash, "model": target.model_hash, "map": cal.to_json()}
+            fitted[entry_key(name, target, a.target == "default")] = {"target": target.weight_hash, "model": target.model_hash, "map": cal.to_json()}
         rep = report["drafters"].setdefault(name, {})
         rep["calibration_set"] = reliability(scores, acc, cal)
         if name != "ngram":

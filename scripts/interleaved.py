@@ -2,6 +2,7 @@
 the same prompt before the next), so a machine whose pace drifts moves every method alike.
 
     python scripts/interleaved.py DATASET N SPEC [SPEC ...] [--max-new 192] [--static SPEC ...] [--out F.json]
+                                  [--target FILE.gguf]
     python scripts/interleaved.py docs/prompts/fresh_math.jsonl 8 phrase ngram phrase@budget=6
 
 A spec is a drafter as --drafter takes it; ``--static`` specs run with their trees as proposed (no cut).
@@ -56,8 +57,9 @@ def main() -> None:
     ap.add_argument("--static", nargs="*", default=[])
     ap.add_argument("--max-new", type=int, default=192)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--target", default="default", help="'default', a .gguf file or an HF folder")
     a = ap.parse_args()
-    target = Target.load()
+    target = Target.load(a.target)
     prompts = [target.encode_prompt(p) for p in load_prompts(a.dataset, a.n)]
     runs = [("none", "none", True)] + [(s, s, True) for s in a.specs] + [(s + " (static)", s, False) for s in a.static]
     drafters = {key: make_drafter(spec, target) for key, spec, _ in runs}

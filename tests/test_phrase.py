@@ -190,3 +190,36 @@ def test_simulated_tokens_per_pass_matches_a_real_run(default_target):
         sim = simulate(d, ids, out, hidden, 3)
         assert real.token_ids == out
         assert abs(sim["passes"] - real.stats.passes) <= (0 if d.name == "ngram" else 2), d.name
+
+
+def test_shipped_weights_and_calibration_are_picked_per_target(default_target, tiny_chat_target, tiny_run, tmp_path,
+                                                               monkeypatch):
+    """Shipped files are NAME_MODEL.safetensors: each target gets the file trained for its model (the default
+    target's file otherwise), and the calibration entry NAME@MODEL fitted for it."""
+    import shutil
+
+    from specdraft.drafters import calibration as C
+    from specdraft.drafters import registry
+
+    default_file = registry.weights_path("phrase")
+    folder = tmp_path / "weights"
+    folder.mkdir()
+    shutil.copy(default_file, folder / default_file.name)
+    _train(tiny_chat_target, tiny_run, folder / "phrase_tiny.safetensors")
+    monkeypatch.setattr(registry, "WEIGHTS_DIR", folder)
+    assert registry.weights_path("phrase", tiny_chat_target) == folder / "phrase_tiny.safetensors"
+    assert registry.weights_path("phrase", default_target) == folder / default_file.name
+    assert registry.weights_path("phrase") == folder / default_file.name
+    key = C.entry_key("phrase", tiny_chat_target, default=False)
+    assert key == f"phrase@{(tiny_chat_target.model_hash or tiny_chat_target.weight_hash)[:16]}" and C.entry_key("phrase", default_target, True) == "phrase"
+    cals = {"phrase": {"target": default_target.weight_hash, "model": default_target.model_hash,
+                       "map": {"xs": [0.1, 0.9], "ys": [0.2, 0.5]}},
+            key: {"target": tiny_chat_target.weight_hash, "model": tiny_chat_target.model_hash,
+                  "map": {"xs": [0.1, 0.9], "ys": [0.3, 0.7]}}}
+    monkeypatch.setattr(C, "shipped_calibrations", lambda: cals)
+    assert C.calibration_for("phrase", tiny_chat_target).ys == [0.3, 0.7]
+    assert C.calibration_for("phrase", default_target).ys == [0.2, 0.5]
+    d = make_drafter("phrase", tiny_chat_target, budget=3)
+    assert d.manifest["target_hash"] == tiny_chat_target.weight_hash and d.calibration.ys == [0.3, 0.7]
+    del cals[key]  # no entry for this model: raw probabilities, never another model's map
+    assert C.calibration_for("phrase", tiny_chat_target).xs == []

@@ -84,15 +84,27 @@ def shipped_calibrations() -> dict:
     return load_calibrations()
 
 
-def calibration_for(name: str, target=None, key: str = "map") -> Calibration:
-    """Drafter ``name``'s fitted map ``key`` for ``target``: where the entry names the target it was fitted
-    on (its weight hash, its model fingerprint), these weights or another quantization of that model; the
-    identity when none was fitted or the target is another model."""
-    entry = shipped_calibrations().get(name, {})
+def entry_key(name: str, target, default: bool) -> str:
+    """The calibration file's key of drafter ``name``'s maps for ``target``: ``NAME`` for the default target,
+    ``NAME@<first 16 hex of its model fingerprint (else of its weight hash)>`` for another (one entry per target)."""
+    return name if default else f"{name}@{(target.model_hash or target.weight_hash)[:16]}"
+
+
+def _fits(entry: dict, target) -> bool:
+    """Whether ``entry`` was fitted on ``target``'s weights or another quantization of its model (an entry that
+    names no target, the lookup's table, fits any)."""
     want, model = entry.get("target"), entry.get("model")
-    if want and target is not None and want != getattr(target, "weight_hash", None) and \
-            (model is None or model != getattr(target, "model_hash", None)):
-        return Calibration()
+    return not want or target is None or want == getattr(target, "weight_hash", None) or \
+        (model is not None and model == getattr(target, "model_hash", None))
+
+
+def calibration_for(name: str, target=None, key: str = "map") -> Calibration:
+    """Drafter ``name``'s fitted map ``key`` for ``target``: the entry (``NAME`` or ``NAME@MODEL``) fitted on
+    these weights or another quantization of that model; the identity when none was fitted for this model."""
+    cals = shipped_calibrations()
+    entries = [cals[name]] if name in cals else []
+    entries += [e for k, e in sorted(cals.items()) if k.partition("@")[0] == name and k != name]
+    entry = next((e for e in entries if _fits(e, target)), {})
     m = entry.get(key)
     return Calibration(m["xs"], m["ys"]) if m else Calibration()
 

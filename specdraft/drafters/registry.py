@@ -28,9 +28,9 @@ from specdraft.drafters.hybrid import HybridDrafter, HybridOptions, load_hybrid
 from specdraft.drafters.ngram import NgramDrafter
 from specdraft.drafters.phrase import PhraseDrafter, PhraseOptions, load_phrase
 from specdraft.errors import SpecdraftError
-from specdraft.nn.checkpoint import checkpoint_kind, load_draft_model
+from specdraft.nn.checkpoint import checkpoint_kind, checkpoint_manifest, fits_target, load_draft_model
 
-WEIGHTS_DIR = Path(__file__).resolve().parents[1] / "weights"  # shipped weights for the default target
+WEIGHTS_DIR = Path(__file__).resolve().parents[1] / "weights"  # shipped weights: NAME_MODEL.safetensors per target
 # the folders every shipped drafter was trained on (scripts/train_drafters.sh): the fast mode's own responses and
 # their features of target layers 2, 15, 27 and the final state
 DATA_HINT = "--data data/smollm2 --features data/smollm2_feat --precision fast"
@@ -103,9 +103,16 @@ BY_KIND = {"phrase": REGISTRY["phrase"], "hybrid": REGISTRY["gumiho"], "eagle3":
 DRAFTERS = tuple(REGISTRY)
 
 
-def weights_path(name: str) -> Path:
-    """The shipped weights file of registered drafter ``name``."""
-    return WEIGHTS_DIR / REGISTRY[name].weights
+def weights_path(name: str, target=None) -> Path:
+    """The shipped weights file of registered drafter ``name``: for ``target``, the ``NAME_*.safetensors``
+    whose manifest names its model (these weights or another quantization of that model), else the default
+    target's file (``DrafterSpec.weights``), whose loading then says which model it was trained for."""
+    default = WEIGHTS_DIR / REGISTRY[name].weights
+    if target is not None:
+        for path in sorted(WEIGHTS_DIR.glob(f"{name}_*.safetensors")):
+            if path != default and fits_target(checkpoint_manifest(path), target):
+                return path
+    return default
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
@@ -200,7 +207,7 @@ def make_drafter(spec: str, target=None, budget: int | None = None) -> Drafter:
         if target is None:
             raise SpecdraftError(f"the {shown} drafter needs the target (its features, embeddings and LM head)")
         if path is None:
-            path = weights_path(name)
+            path = weights_path(name, target)
             if not path.is_file():
                 raise SpecdraftError(f"the {name} drafter's weights ({path}) are not in this install yet; train them "
                                      f"with `{entry.train.format(path=path)}` or pass a checkpoint path as --drafter")
@@ -225,6 +232,7 @@ def drafters_table() -> str:
     """The registry as a Markdown table (``specdraft drafters --markdown``; the README's table)."""
     rows = ["| drafter | what it drafts with | options (`NAME@key=value`) | shipped weights |", "|---|---|---|---|"]
     for s in REGISTRY.values():
-        shipped = f"`{s.weights}`" if s.weights else "none needed"
+        files = [s.weights] + sorted(f.name for f in WEIGHTS_DIR.glob(f"{s.name}_*.safetensors") if f.name != s.weights)
+        shipped = ", ".join(f"`{f}`" for f in files) if s.weights else "none needed"
         rows.append(f"| `{s.name}` | {s.summary} | {option_defaults(s.options)} | {shipped} |")
     return "\n".join(rows)

@@ -166,7 +166,7 @@ def export_drafter(target, spec: str, fmt: str, out: str | Path, force: bool = F
     if spec in REGISTRY:
         if not REGISTRY[spec].kind:
             raise SpecdraftError(f"the {spec} drafter has no trained network to export")
-        path, name = weights_path(spec), spec
+        path, name = weights_path(spec, target), spec
         if not path.is_file():
             raise SpecdraftError(f"the {spec} drafter's weights ({path}) are not in this install")
     else:

@@ -94,16 +94,21 @@ def check_fits(cfg, target, path: str | Path) -> None:
     tcfg.check_layers(cfg.feature_layers, f"checkpoint {path}: its target layer")
 
 
-def checkpoint_kind(path: str | Path) -> str:
-    """The drafter kind a checkpoint's manifest states ("phrase", "hybrid", "eagle3", "block")."""
+def checkpoint_manifest(path: str | Path) -> dict:
+    """A checkpoint's manifest, read from its header alone (no tensors loaded)."""
     try:
         with safe_open(str(path), framework="pt") as f:
-            kind = json.loads((f.metadata() or {})[MANIFEST_KEY])["kind"]
-        if not isinstance(kind, str):
-            raise TypeError(kind)
-        return kind
+            manifest = json.loads((f.metadata() or {})[MANIFEST_KEY])
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("kind"), str):
+            raise TypeError(manifest)
+        return manifest
     except Exception:  # safetensors' own error types, a missing key, bad JSON: all the same to the user
         raise SpecdraftError(f"{path} is not a specdraft drafter checkpoint (corrupt or missing manifest)") from None
+
+
+def checkpoint_kind(path: str | Path) -> str:
+    """The drafter kind a checkpoint's manifest states ("phrase", "hybrid", "eagle3", "block")."""
+    return checkpoint_manifest(path)["kind"]
 
 
 @dataclass
@@ -118,6 +123,13 @@ def target_identity(target) -> dict:
     its model fingerprint (``model.load.model_fingerprint``: the same for any quantization of it)."""
     return {"target_name": target.name, "target_hash": target.weight_hash,
             "target_model": getattr(target, "model_hash", None)}
+
+
+def fits_target(manifest: dict, target) -> bool:
+    """Whether a checkpoint was trained for ``target``: these weights, or another quantization of its model."""
+    model = manifest.get("target_model")
+    return manifest.get("target_hash") == target.weight_hash or (
+        model is not None and model == getattr(target, "model_hash", None))
 
 
 def check_target(manifest: dict, target, path: str | Path, any_target: bool = False) -> None:

@@ -5,7 +5,7 @@
 #
 #   bash scripts/get_qwen_coder.sh [OUT]     # default ~/.cache/specdraft/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
 #
-# Then: specdraft prepare --target OUT; specdraft generate --target OUT --drafter ngram "..."
+# Then: specdraft prepare --target OUT; specdraft generate --target OUT "..." (phrase, its own weights shipped)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-$HOME/.cache/specdraft/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf}

@@ -105,3 +105,30 @@ def test_shipped_drafter_is_exact_under_the_live_policy(default_target, cases, s
         assert r.token_ids == ref, (spec, ds)
         rows += sum(n * c for n, c in r.stats.pass_rows.items() if n > 1)
     assert rows > 0, spec
+
+
+def test_other_targets_shipped_files_name_their_model_and_calibration():
+    """The files shipped for another target (NAME_MODEL.safetensors) each name one model, are picked for a target
+    of that model (another quantization included) and never for the default target, and have their calibration
+    entry NAME@MODEL fitted on that model.  (Their losslessness is measured with the model in docs/training.md;
+    the suite does not download it.)"""
+    import json
+    from types import SimpleNamespace
+
+    from specdraft.drafters.calibration import CALIBRATION_FILE, calibration_for
+    from specdraft.drafters.registry import WEIGHTS_DIR
+    from specdraft.nn.checkpoint import checkpoint_manifest
+
+    cals = json.loads(CALIBRATION_FILE.read_text())
+    others = [p for name, spec in REGISTRY.items() if spec.weights
+              for p in WEIGHTS_DIR.glob(f"{name}_*.safetensors") if p.name != spec.weights]
+    assert others, "the second target's drafters (Qwen2.5-Coder-0.5B-Instruct) are shipped"
+    for path in others:
+        name = path.name.split("_")[0]
+        m = checkpoint_manifest(path)
+        other = SimpleNamespace(weight_hash="another quantization", model_hash=m["target_model"])
+        default = SimpleNamespace(weight_hash=checkpoint_manifest(weights_path(name))["target_hash"], model_hash=None)
+        assert weights_path(name, other) == path and weights_path(name, default) == weights_path(name)
+        assert m["acceptance_by_budget"] and m["budget_profile"]["draft_ms"], f"{path.name} has no live profile"
+        entry = cals[f"{name}@{m['target_model'][:16]}"]
+        assert entry["model"] == m["target_model"] and calibration_for(name, other).xs == entry["map"]["xs"]

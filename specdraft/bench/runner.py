@@ -142,7 +142,9 @@ def run_bench(
                                     "target": target.name, "target_hash": target.weight_hash, "device": device,
                                     "precision": target.precision, "budget": budget, "threads": threads,
                                     "kernel": kernel_info(target.model), "cpu": cpu_name(),
-                                    "tie_gap": TIE_GAP, "baseline": base, "target_spec": str(target_spec or "default"),
+                                    "tie_gap": TIE_GAP, "baseline": base,
+                                    "target_spec": "default" if target_spec in (None, "default") else
+                                    _home_relative(Path(target_spec)),
                                     "hf": hf_model is not None, "hf_lookup": hf_lookup,
                                     "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p,
                                                  "top_k": sampling.top_k, "seed": seed},

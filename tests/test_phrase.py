@@ -211,7 +211,8 @@ def test_shipped_weights_and_calibration_are_picked_per_target(default_target, t
     assert registry.weights_path("phrase", default_target) == folder / default_file.name
     assert registry.weights_path("phrase") == folder / default_file.name
     key = C.entry_key("phrase", tiny_chat_target, default=False)
-    assert key == f"phrase@{(tiny_chat_target.model_hash or tiny_chat_target.weight_hash)[:16]}" and C.entry_key("phrase", default_target, True) == "phrase"
+    assert key == f"phrase@{(tiny_chat_target.model_hash or tiny_chat_target.weight_hash)[:16]}"
+    assert C.entry_key("phrase", default_target, True) == "phrase"
     cals = {"phrase": {"target": default_target.weight_hash, "model": default_target.model_hash,
                        "map": {"xs": [0.1, 0.9], "ys": [0.2, 0.5]}},
             key: {"target": tiny_chat_target.weight_hash, "model": tiny_chat_target.model_hash,

@@ -116,12 +116,11 @@ def test_other_targets_shipped_files_name_their_model_and_calibration():
     from types import SimpleNamespace
 
     from specdraft.drafters.calibration import CALIBRATION_FILE, calibration_for
-    from specdraft.drafters.registry import WEIGHTS_DIR
+    from specdraft.drafters.registry import shipped_files
     from specdraft.nn.checkpoint import checkpoint_manifest
 
     cals = json.loads(CALIBRATION_FILE.read_text())
-    others = [p for name, spec in REGISTRY.items() if spec.weights
-              for p in WEIGHTS_DIR.glob(f"{name}_*.safetensors") if p.name != spec.weights]
+    others = [p for name, spec in REGISTRY.items() if spec.weights for p in shipped_files(name)[1:]]
     assert others, "the second target's drafters (Qwen2.5-Coder-0.5B-Instruct) are shipped"
     for path in others:
         name = path.name.split("_")[0]

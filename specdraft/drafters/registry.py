@@ -103,14 +103,21 @@ BY_KIND = {"phrase": REGISTRY["phrase"], "hybrid": REGISTRY["gumiho"], "eagle3":
 DRAFTERS = tuple(REGISTRY)
 
 
-def weights_path(name: str, target=None) -> Path:
-    """The shipped weights file of registered drafter ``name``: for ``target``, the ``NAME_*.safetensors``
-    whose manifest names its model (these weights or another quantization of that model), else the default
-    target's file (``DrafterSpec.weights``), whose loading then says which model it was trained for."""
+def shipped_files(name: str) -> list[Path]:
+    """Registered drafter ``name``'s shipped weights: the default target's file (``DrafterSpec.weights``) first,
+    then the other targets' ``NAME_*.safetensors`` in name order."""
     default = WEIGHTS_DIR / REGISTRY[name].weights
+    return [default] + sorted(p for p in WEIGHTS_DIR.glob(f"{name}_*.safetensors") if p != default)
+
+
+def weights_path(name: str, target=None) -> Path:
+    """The shipped weights file of registered drafter ``name``: for ``target``, another target's file whose
+    manifest names its model (these weights or another quantization of that model), else the default
+    target's file, whose loading then says which model it was trained for."""
+    default, *others = shipped_files(name)
     if target is not None:
-        for path in sorted(WEIGHTS_DIR.glob(f"{name}_*.safetensors")):
-            if path != default and fits_target(checkpoint_manifest(path), target):
+        for path in others:
+            if fits_target(checkpoint_manifest(path), target):
                 return path
     return default
 
@@ -232,7 +239,6 @@ def drafters_table() -> str:
     """The registry as a Markdown table (``specdraft drafters --markdown``; the README's table)."""
     rows = ["| drafter | what it drafts with | options (`NAME@key=value`) | shipped weights |", "|---|---|---|---|"]
     for s in REGISTRY.values():
-        files = [s.weights] + sorted(f.name for f in WEIGHTS_DIR.glob(f"{s.name}_*.safetensors") if f.name != s.weights)
-        shipped = ", ".join(f"`{f}`" for f in files) if s.weights else "none needed"
+        shipped = ", ".join(f"`{f.name}`" for f in shipped_files(s.name)) if s.weights else "none needed"
         rows.append(f"| `{s.name}` | {s.summary} | {option_defaults(s.options)} | {shipped} |")
     return "\n".join(rows)

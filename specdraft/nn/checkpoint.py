@@ -140,15 +140,14 @@ def check_target(manifest: dict, target, path: str | Path, any_target: bool = Fa
         return
     trained = f"{manifest.get('target_name')!r} (weights {str(manifest.get('target_hash'))[:12]})"
     here = f"{target.name!r} (weights {target.weight_hash[:12]})"
-    model = manifest.get("target_model")
-    if model is not None and model == getattr(target, "model_hash", None):
+    if fits_target(manifest, target):
         warnings.warn(f"{Path(path).name} was trained on {trained}; the loaded target {here} is the same model in "
                       "another quantization: lossless, its acceptance may differ a little", SpecdraftNote, stacklevel=3)
     elif any_target:
         warnings.warn(f"specdraft: {path} was trained for {trained}, used on {here} as asked (any_target=1): "
                       "lossless, but its acceptance was measured on the other weights", stacklevel=3)
     else:
-        what = "another model (its architecture, shapes or vocabulary differ)" if model is not None else \
+        what = "another model (its architecture, shapes or vocabulary differ)" if manifest.get("target_model") is not None else \
             "another target (its manifest names no model fingerprint to match quantizations by)"
         raise SpecdraftError(f"checkpoint {path} was trained for target {trained}, not the loaded target {here}: "
                              f"{what}; train a drafter for this target (NAME@any_target=1 uses it anyway where "

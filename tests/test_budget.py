@@ -81,6 +81,11 @@ def test_drafting_pauses_where_it_does_not_pay_and_probes():
     for _ in range(200):  # drafting pays again: 3 tokens a step
         costs.observe("d", 3, 14.0, 1.0, 0.0, 3, True)
     assert costs.drafting_pays("d") and costs.drafting_pays("d")
+    dear = LiveCosts(LINEAR)  # 1.4 tokens for a 12 ms pass and 1 ms of propose would pay; its 3 ms commit does not
+    for _ in range(SEEN):
+        assert dear.drafting_pays("c")
+        dear.observe("c", 2, 12.0, 1.0, 3.0, 1.4, True)
+    assert not dear.drafting_pays("c")
 
 
 def test_calibration_fit_and_scores():

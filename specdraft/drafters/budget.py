@@ -212,11 +212,12 @@ class LiveCosts:
         committed."""
         pass_ms = self.observe_pass(rows, pass_ms)
         _average(self.commit, drafter, commit_ms)
-        if drafted:
+        if drafted:  # a drafted step costs its pass, its propose and its commit (a catch-up included): a paused one only its pass
             _average(self.propose, drafter, propose_ms)
-            d = self.drafted.setdefault(drafter, [float(tokens), pass_ms + propose_ms, 0])
+            step_ms = pass_ms + propose_ms + commit_ms
+            d = self.drafted.setdefault(drafter, [float(tokens), step_ms, 0])
             d[0] += GATE_EMA * (tokens - d[0])
-            d[1] += GATE_EMA * (min(pass_ms + propose_ms, CLIP * d[1]) - d[1])
+            d[1] += GATE_EMA * (min(step_ms, CLIP * d[1]) - d[1])
             d[2] += 1
 
     def observe_pass(self, rows: int, pass_ms: float) -> float:

@@ -258,12 +258,15 @@ def generate(
         drafter.reset(prompt_ids, first, out)
     committed_by_passes, root = 0, first
     costs: LiveCosts | None = live_costs(target) if cfg.dynamic and budget > 0 else None
+    if costs is not None:
+        costs.start(drafter.name)
     deferred: list[tuple[list[int], dict]] = []  # passes the drafter has not seen while drafting paused (catch_up)
     while not done:
         t0 = time.perf_counter()
         drafting = costs is None or costs.drafting_pays(drafter.name)
         if drafting:
             catch_up(drafter, deferred)
+        tc = time.perf_counter()
         if costs is not None and isinstance(getattr(drafter, "floor", None), float):
             drafter.floor = costs.floor(drafter.name)  # serial drafters stop where no path can pay
         t1 = time.perf_counter()
@@ -290,9 +293,9 @@ def generate(
         elif not done:  # drafting paused: the drafter sees this pass when it next drafts
             deferred.append((acc.new_tokens, {k: v[:, acc.path].clone() for k, v in out.hidden.items()}))
         stats.draft_s += (t2 - t0) + (t5 - t4)
-        if costs is not None:  # the catch-up counts as this drafted step's commit
-            costs.observe(drafter.name, len(tree), 1000 * (t3 - t2), 1000 * (t2 - t1), 1000 * ((t1 - t0) + (t5 - t4)),
-                          len(acc.new_tokens), drafting)
+        if costs is not None:
+            costs.observe(drafter.name, len(tree), 1000 * (t3 - t2), 1000 * (t2 - t1), 1000 * ((t1 - tc) + (t5 - t4)),
+                          len(acc.new_tokens), drafting)  # a catch-up (tc - t0) is paid once a pause: not a step's cost
         if target.length + budget + 2 > target.capacity and not done:
             done = True  # context exhausted
 

@@ -33,7 +33,7 @@ def test_registry_budgets(tiny_llama, monkeypatch):
 
 
 # ---------------------------------------------------------------------- live costs and the tree cut
-from specdraft.drafters.budget import PROBE, SEEN, LiveCosts  # noqa: E402
+from specdraft.drafters.budget import BURST, PROBE, PROBE_MAX, SEEN, LiveCosts  # noqa: E402
 from specdraft.drafters.calibration import Calibration, fit, with_scores  # noqa: E402
 from specdraft.tree import Tree  # noqa: E402
 
@@ -75,12 +75,23 @@ def test_drafting_pauses_where_it_does_not_pay_and_probes():
     for _ in range(SEEN):  # drafted steps of 1 token for 10 + 5 ms against a 10 ms plain pass
         assert costs.drafting_pays("d")
         costs.observe("d", 1, 10.0, 5.0, 0.0, 1, True)
-    answers = [costs.drafting_pays("d") for _ in range(7 * PROBE)]
-    probes = [i for i, a in enumerate(answers) if a]
-    assert probes == [PROBE - 1, 3 * PROBE - 1, 7 * PROBE - 1]  # probes after PROBE, 2 PROBE, 4 PROBE steps
-    for _ in range(200):  # drafting pays again: 3 tokens a step
-        costs.observe("d", 3, 14.0, 1.0, 0.0, 3, True)
-    assert costs.drafting_pays("d") and costs.drafting_pays("d")
+
+    def run(steps, tokens):  # answers over ``steps`` steps, drafted ones committing ``tokens`` for 14 + 1 ms
+        answers = []
+        for _ in range(steps):
+            answers.append(costs.drafting_pays("d"))
+            costs.observe("d", 3 if answers[-1] else 1, 14.0 if answers[-1] else 10.0, 1.0, 0.0,
+                          tokens if answers[-1] else 1, answers[-1])
+        return answers
+
+    pauses = [min(PROBE << i, PROBE_MAX) for i in range(6)]  # it keeps not paying: each pause twice the last
+    answers = run(sum(pauses) + BURST * len(pauses), 1)
+    starts = [i for i, a in enumerate(answers) if a and (i == 0 or not answers[i - 1])]
+    assert starts == [sum(pauses[: j + 1]) + BURST * j for j in range(len(pauses))]  # after each pause, a probe ...
+    assert sum(answers) == BURST * len(pauses)  # ... of BURST drafted steps
+    costs.start("d")  # a new generation: the next probe comes after PROBE steps
+    answers = run(PROBE + BURST + 40, 3)  # its text changed: 3 tokens a step pay, the probe resumes it
+    assert not any(answers[:PROBE]) and all(answers[PROBE:])
     dear = LiveCosts(LINEAR)  # 1.4 tokens for a 12 ms pass and 1 ms of propose would pay; its 3 ms commit does not
     for _ in range(SEEN):
         assert dear.drafting_pays("c")

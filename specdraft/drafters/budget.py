@@ -19,8 +19,8 @@ accepted) that budget is only the tree's cap: each pass the tree is cut to the n
 for a step of pass(k + 1) + drafting ms; the cut keeps the k with the most tokens per ms, k = 0 (a
 plain step) when nothing is confident enough.  pass(n) and drafting are live: moving averages of
 this process's own passes, started from the stored cost curve.  A drafter whose drafted steps commit
-fewer tokens per ms than a plain pass pauses, probing now and then (``LiveCosts.drafting_pays``).  The
-batch cuts its sequences' trees together (``LiveCosts.cut_many``).
+fewer tokens per ms than a plain pass pauses, probing now and then with a few drafted steps
+(``LiveCosts.drafting_pays``).  The batch cuts its sequences' trees together (``LiveCosts.cut_many``).
 """
 
 from __future__ import annotations
@@ -160,8 +160,11 @@ def batch_rows(curve: dict | None, budget: int) -> int:
 EMA = 0.1  # weight of the newest pass in the moving averages
 SEEN = 8  # passes of one size after which its own average replaces the scaled curve
 CLIP = 1.5  # a pass counts as at most this many times the current estimate (a preempted pass is noise, not pace)
-PROBE = 8  # while drafting does not pay, one pass in this many drafts anyway (to notice when it pays again) ...
-PROBE_MAX = 64  # ... the interval doubling after each probe that finds it still not paying, up to this
+PROBE = 16  # a drafter whose drafted steps do not pay pauses for this many steps, then probes ...
+PROBE_MAX = 128  # ... the pause doubling after each probe that leaves it paused, up to this (each new generation
+# starts again at PROBE: new text may suit it)
+BURST = 6  # a probe: this many drafted steps, their mean blended half and half into the moving average below
+# (one step would hardly move an average over ~30)
 GATE_EMA = 0.03  # weight of the newest drafted step in what drafting gains and costs (~30 steps: one unlucky
 # stretch does not stop it)
 
@@ -184,7 +187,8 @@ class LiveCosts:
         self.commit: dict[str, float] = {}  # drafter name -> average ms of its commit
         self.drafted: dict[str, list[float]] = {}  # drafter name -> [average tokens, average ms, steps] of drafted steps
         self.skipped: dict[str, int] = {}  # drafter name -> steps not drafted since its last drafted step
-        self.interval: dict[str, int] = {}  # drafter name -> steps between probes while drafting does not pay
+        self.pause: dict[str, int] = {}  # drafter name -> steps between probes while its drafting does not pay
+        self.burst: dict[str, list[float]] = {}  # drafter name -> [tokens, ms, steps] of the probe under way
 
     def curve_ms(self, rows: int) -> float:
         """The stored curve at ``rows`` (past its end: along its last two points)."""
@@ -208,17 +212,30 @@ class LiveCosts:
 
     def observe(self, drafter: str, rows: int, pass_ms: float, propose_ms: float, commit_ms: float, tokens: int,
                 drafted: bool) -> None:
-        """One step: its pass over ``rows`` rows, the drafter's propose (if ``drafted``) and commit, the tokens it
-        committed."""
+        """One step: its pass over ``rows`` rows, the drafter's propose and commit (if ``drafted``; a catch-up, the
+        passes it did not see while paused given at once, is not part of it), the tokens it committed."""
         pass_ms = self.observe_pass(rows, pass_ms)
+        if not drafted:
+            return
         _average(self.commit, drafter, commit_ms)
-        if drafted:  # a drafted step costs its pass, its propose and its commit (a catch-up included): a paused one only its pass
-            _average(self.propose, drafter, propose_ms)
-            step_ms = pass_ms + propose_ms + commit_ms
-            d = self.drafted.setdefault(drafter, [float(tokens), step_ms, 0])
-            d[0] += GATE_EMA * (tokens - d[0])
-            d[1] += GATE_EMA * (min(step_ms, CLIP * d[1]) - d[1])
-            d[2] += 1
+        _average(self.propose, drafter, propose_ms)
+        step_ms = pass_ms + propose_ms + commit_ms  # what drafting costs from step to step (a catch-up is paid once
+        # per pause: its cost is bounded by the pauses' growth, PROBE_MAX)
+        burst = self.burst.get(drafter)
+        if burst is not None:
+            burst[0] += tokens
+            burst[1] += step_ms
+            burst[2] += 1
+            if burst[2] >= BURST:  # the probe's mean counts half: new text moves the gate at once
+                del self.burst[drafter]
+                d = self.drafted[drafter]
+                d[0], d[1] = (d[0] + burst[0] / burst[2]) / 2, (d[1] + burst[1] / burst[2]) / 2
+                self.pause[drafter] = PROBE if self._pays(drafter) else min(2 * self.pause[drafter], PROBE_MAX)
+            return
+        d = self.drafted.setdefault(drafter, [float(tokens), step_ms, 0])
+        d[0] += GATE_EMA * (tokens - d[0])
+        d[1] += GATE_EMA * (min(step_ms, CLIP * d[1]) - d[1])
+        d[2] += 1
 
     def observe_pass(self, rows: int, pass_ms: float) -> float:
         """A target pass over ``rows`` rows took ``pass_ms``; returns it as counted (clipped)."""
@@ -231,20 +248,30 @@ class LiveCosts:
         self.scale += EMA * (min(pass_ms / self.curve_ms(rows), CLIP * self.scale) - self.scale)
         return pass_ms
 
-    def drafting_pays(self, drafter: str) -> bool:
-        """Whether to draft this step: until ``SEEN`` drafted steps are measured, yes; then while a drafted step
-        commits more tokens per ms (its average) than a plain pass would.  While it does not, one step in
-        ``PROBE`` drafts anyway, the interval doubling after each probe that leaves it so (up to ``PROBE_MAX``):
-        a drafter that keeps not paying costs ever less (its catch-up grows rarer and cheaper per token)."""
+    def start(self, drafter: str) -> None:
+        """A new generation: a paused drafter probes after ``PROBE`` steps again, not its longest pause."""
+        if drafter in self.pause:
+            self.pause[drafter] = PROBE
+
+    def _pays(self, drafter: str) -> bool:
+        """Whether ``drafter``'s drafted steps (their moving average) commit more tokens per ms than plain passes,
+        or are too few to say."""
         d = self.drafted.get(drafter)
-        if d is None or d[2] < SEEN or d[0] / d[1] > 1.0 / self.pass_ms(1)[0]:
-            self.skipped[drafter], self.interval[drafter] = 0, PROBE
+        return d is None or d[2] < SEEN or d[0] / d[1] > 1.0 / self.pass_ms(1)[0]
+
+    def drafting_pays(self, drafter: str) -> bool:
+        """Whether to draft this step: while ``_pays``, yes.  Otherwise the drafter pauses, and after ``PROBE``
+        steps probes: ``BURST`` drafted steps whose mean moves the average half way, resuming drafting if that
+        makes it pay, else pausing twice as long (up to ``PROBE_MAX``).  A drafter that keeps not paying costs
+        ever less (its catch-up grows rarer and cheaper per token); one that pays again resumes."""
+        if drafter in self.burst or self._pays(drafter):
+            self.skipped[drafter] = 0
             return True
         self.skipped[drafter] = self.skipped.get(drafter, 0) + 1
-        every = self.interval.get(drafter, PROBE)
-        if self.skipped[drafter] < every:
+        if self.skipped[drafter] <= self.pause.setdefault(drafter, PROBE):
             return False
-        self.skipped[drafter], self.interval[drafter] = 0, min(2 * every, PROBE_MAX)
+        self.skipped[drafter] = 0
+        self.burst[drafter] = [0.0, 0.0, 0]
         return True
 
     def floor(self, drafter: str) -> float:

@@ -295,7 +295,7 @@ def generate(
         stats.draft_s += (t2 - t0) + (t5 - t4)
         if costs is not None:
             costs.observe(drafter.name, len(tree), 1000 * (t3 - t2), 1000 * (t2 - t1), 1000 * ((t1 - tc) + (t5 - t4)),
-                          len(acc.new_tokens), drafting)  # a catch-up (tc - t0) is paid once a pause: not a step's cost
+                          len(acc.new_tokens), drafting, catch_up_ms=1000 * (tc - t0))
         if target.length + budget + 2 > target.capacity and not done:
             done = True  # context exhausted
 

@@ -92,6 +92,17 @@ def test_drafting_pauses_where_it_does_not_pay_and_probes():
     costs.start("d")  # a new generation: the next probe comes after PROBE steps
     answers = run(PROBE + BURST + 40, 3)  # its text changed: 3 tokens a step pay, the probe resumes it
     assert not any(answers[:PROBE]) and all(answers[PROBE:])
+    for _ in range(40):  # drafting pays ...
+        costs.observe("d", 3, 14.0, 1.0, 0.0, 3, True)
+    for _ in range(80):  # ... then stops paying: it pauses
+        costs.observe("d", 1, 10.0, 5.0, 0.0, 1, True)
+    answers = []
+    for _ in range(PROBE + BURST + 2 * PROBE):  # its probe would pay (3 tokens for 15 ms), but catching up costs 100 ms
+        answers.append(costs.drafting_pays("d"))
+        first = answers[-1] and costs.burst.get("d", [0, 0, 1])[2] == 0
+        costs.observe("d", 3 if answers[-1] else 1, 14.0 if answers[-1] else 10.0, 1.0, 0.0, 3 if answers[-1] else 1,
+                      answers[-1], catch_up_ms=100.0 if first else 0.0)
+    assert answers[PROBE:PROBE + BURST] == [True] * BURST and sum(answers) == BURST  # resuming costs more: paused
     dear = LiveCosts(LINEAR)  # 1.4 tokens for a 12 ms pass and 1 ms of propose would pay; its 3 ms commit does not
     for _ in range(SEEN):
         assert dear.drafting_pays("c")

@@ -211,20 +211,20 @@ class LiveCosts:
         return self.propose.get(drafter, 0.0) + self.commit.get(drafter, 0.0)
 
     def observe(self, drafter: str, rows: int, pass_ms: float, propose_ms: float, commit_ms: float, tokens: int,
-                drafted: bool) -> None:
-        """One step: its pass over ``rows`` rows, the drafter's propose and commit (if ``drafted``; a catch-up, the
-        passes it did not see while paused given at once, is not part of it), the tokens it committed."""
+                drafted: bool, catch_up_ms: float = 0.0) -> None:
+        """One step: its pass over ``rows`` rows, the drafter's propose and commit (if ``drafted``) and catch-up (the
+        passes it did not see while paused, given at once: part of a probe's cost, what resuming costs), the
+        tokens it committed."""
         pass_ms = self.observe_pass(rows, pass_ms)
         if not drafted:
             return
         _average(self.commit, drafter, commit_ms)
         _average(self.propose, drafter, propose_ms)
-        step_ms = pass_ms + propose_ms + commit_ms  # what drafting costs from step to step (a catch-up is paid once
-        # per pause: its cost is bounded by the pauses' growth, PROBE_MAX)
+        step_ms = pass_ms + propose_ms + commit_ms  # what drafting costs from step to step
         burst = self.burst.get(drafter)
         if burst is not None:
             burst[0] += tokens
-            burst[1] += step_ms
+            burst[1] += step_ms + catch_up_ms
             burst[2] += 1
             if burst[2] >= BURST:  # the probe's mean counts half: new text moves the gate at once
                 del self.burst[drafter]

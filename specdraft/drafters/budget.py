@@ -249,7 +249,8 @@ class LiveCosts:
         return pass_ms
 
     def start(self, drafter: str) -> None:
-        """A new generation: a paused drafter probes after ``PROBE`` steps again, not its longest pause."""
+        """A new generation: a paused drafter's pause is cut back to ``PROBE`` steps, counted from its last drafted
+        step (so one paused longer than that probes at once): new text may suit it."""
         if drafter in self.pause:
             self.pause[drafter] = PROBE
 

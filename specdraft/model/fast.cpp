@@ -730,6 +730,38 @@ static inline __m512 scores16(const float* q, const float* kbase, int64_t s_s, c
 }
 #endif
 
+#if FAST_ISA == 1
+// scores16's arithmetic in 8-lane halves, for 8 keys: a_j = lo_j (lanes 0-7) + hi_j (lanes 8-15) after the
+// loop over c, then reduce16h's steps (b[i] = a[i] + a[i+4], c[i] = b[i] + b[i+2], c0 + c1) for 2, 4, 8
+// keys per vector, each exactly as reduce16h adds them for one key.
+static inline __m256 scores8(const float* q, const float* kbase, int64_t s_s, const int32_t* idx, int64_t C,
+                             float scale) {
+  __m256 a[8];  // step 1, per key
+  for (int j = 0; j < 8; ++j) {
+    const float* k = kbase + idx[j] * s_s;
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    for (int64_t c = 0; c < C; ++c) {
+      lo = _mm256_add_ps(lo, _mm256_mul_ps(_mm256_loadu_ps(q + 16 * c), _mm256_loadu_ps(k + 16 * c)));
+      hi = _mm256_add_ps(hi, _mm256_mul_ps(_mm256_loadu_ps(q + 16 * c + 8), _mm256_loadu_ps(k + 16 * c + 8)));
+    }
+    a[j] = _mm256_add_ps(lo, hi);
+  }
+  __m256 b[4];  // step 2, keys 2p (low 128 bits) and 2p+1 (high)
+  for (int p = 0; p < 4; ++p)
+    b[p] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x20),
+                         _mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x31));
+  __m256 c[2];  // step 3: 128-bit lane l holds c0, c1 of keys 4w+l and 4w+2+l
+  for (int w = 0; w < 2; ++w)
+    c[w] = _mm256_add_ps(_mm256_shuffle_ps(b[2 * w], b[2 * w + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(b[2 * w], b[2 * w + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // step 4, c0 + c1: lane 4l + j holds key 2j + l; put key j in lane j
+  const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm256_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  return _mm256_mul_ps(_mm256_permutevar8x32_ps(r, order), _mm256_set1_ps(scale));
+}
+#endif
+
 static void attend(const float* q, int64_t q_stride, const float* kbase, const float* vbase, int64_t s_s,
                    const int32_t* idx, int64_t n, int64_t G, int64_t D, float scale, float* sc, float* out,
                    int64_t out_stride) {
@@ -786,7 +818,16 @@ static void attend(const float* q, int64_t q_stride, const float* kbase, const f
 #elif FAST_ISA == 1
   if (G <= 8 && D <= 256) {  // the VNNI loop's arithmetic in 8-lane halves
     const int64_t C = D / 16;
-    for (int64_t i = 0; i < n; ++i) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)  // 8 keys at a time: their reduce16h trees side by side (scores8)
+      for (int64_t g = 0; g < G; ++g) {
+        const __m256 v = scores8(q + g * q_stride, kbase, s_s, idx + i, C, scale);
+        _mm256_storeu_ps(sc + g * n + i, v);
+        const __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        const __m128 m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        mx[g] = std::max(mx[g], _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps(m2, m2, 1))));  // exact in any order
+      }
+    for (; i < n; ++i) {
       const float* k = kbase + idx[i] * s_s;
       for (int64_t g = 0; g < G; ++g) {
         const float* qg = q + g * q_stride;
@@ -821,15 +862,28 @@ static void attend(const float* q, int64_t q_stride, const float* kbase, const f
         lanes[i % 16] = lanes[i % 16] + e[i];
       }
       const __m256 vsum = _mm256_set1_ps(reduce16(lanes));
-      __m256 o[32];
-      const int64_t C8 = D / 8;
-      for (int64_t c = 0; c < C8; ++c) o[c] = _mm256_setzero_ps();
-      for (int64_t j = 0; j < n; ++j) {
-        const float* v = vbase + idx[j] * s_s;
-        const __m256 w = _mm256_set1_ps(e[j]);
-        for (int64_t c = 0; c < C8; ++c) o[c] = _mm256_add_ps(o[c], _mm256_mul_ps(w, _mm256_loadu_ps(v + 8 * c)));
+      int64_t c0 = 0;
+      for (; c0 + 64 <= D; c0 += 64) {  // 64 dims at a time in 8 registers, each dim's sum over j in order
+        __m256 o[8];
+        for (int c = 0; c < 8; ++c) o[c] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; ++j) {
+          const float* v = vbase + idx[j] * s_s + c0;
+          const __m256 w = _mm256_set1_ps(e[j]);
+          for (int c = 0; c < 8; ++c) o[c] = _mm256_add_ps(o[c], _mm256_mul_ps(w, _mm256_loadu_ps(v + 8 * c)));
+        }
+        for (int c = 0; c < 8; ++c) _mm256_storeu_ps(out + g * out_stride + c0 + 8 * c, _mm256_div_ps(o[c], vsum));
       }
-      for (int64_t c = 0; c < C8; ++c) _mm256_storeu_ps(out + g * out_stride + 8 * c, _mm256_div_ps(o[c], vsum));
+      if (c0 < D) {  // the last 16, 32 or 48 dims
+        __m256 o[6];
+        const int64_t C8 = (D - c0) / 8;
+        for (int64_t c = 0; c < C8; ++c) o[c] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; ++j) {
+          const float* v = vbase + idx[j] * s_s + c0;
+          const __m256 w = _mm256_set1_ps(e[j]);
+          for (int64_t c = 0; c < C8; ++c) o[c] = _mm256_add_ps(o[c], _mm256_mul_ps(w, _mm256_loadu_ps(v + 8 * c)));
+        }
+        for (int64_t c = 0; c < C8; ++c) _mm256_storeu_ps(out + g * out_stride + c0 + 8 * c, _mm256_div_ps(o[c], vsum));
+      }
     }
     return;
   }

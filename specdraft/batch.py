@@ -42,7 +42,8 @@ from specdraft.drafters.base import Drafter, NoDrafter
 from specdraft.engine import Cancelled, Engine
 from specdraft.drafters.budget import BATCH_RULE, batch_budget, batch_rows, live_costs, load_cost_curve
 from specdraft.errors import SpecdraftError
-from specdraft.generate import Emitter, GenerateConfig, GenerationResult, GenerationStats, TokenLogprob, catch_up, plan
+from specdraft.generate import (Emitter, GenerateConfig, GenerationResult, GenerationStats, TokenLogprob, catch_up,
+                                path_rows, plan)
 from specdraft.model.llama import ForwardOutput, KVCache, Transformer
 from specdraft.target import GROW_SLOTS
 from specdraft.tree import Tree
@@ -432,7 +433,7 @@ class Batcher:
             return True
         s.root = acc.bonus
         if n == 1:  # a lone root: the drafter catches up before it next drafts
-            s.deferred.append((acc.new_tokens, {k: v[:, acc.path].clone() for k, v in hidden.items()}))
+            s.deferred.append((acc.new_tokens, path_rows(hidden, acc.path, copy=True)))
         else:
             t1 = time.perf_counter()
             s.drafter.commit(acc, ForwardOutput(logits=out.logits[:, seg.logit_row:seg.logit_row + n], hidden=hidden))

@@ -209,6 +209,16 @@ class Emitter:
                                 logprobs=self.logprobs)
 
 
+def path_rows(hidden: dict[int, Tensor], path: list[int], copy: bool = False) -> dict[int, Tensor]:
+    """The rows ``path`` of each hidden state [B, T, H] of a pass.  Where the path is the first rows (a paused
+    step's lone root) a slice, a view unless ``copy`` (each pass makes new tensors, so a view stays as it was;
+    ``copy`` where the tensors are views of a bigger pass that should not be kept alive), else copies."""
+    if path == list(range(len(path))):
+        return {k: v[:, :len(path)].clone() if copy else v[:, :len(path)] for k, v in hidden.items()}
+    index = torch.tensor(path, device=next(iter(hidden.values())).device) if hidden else None
+    return {k: v.index_select(1, index) for k, v in hidden.items()}
+
+
 def catch_up(drafter: Drafter, deferred: list[tuple[list[int], dict]]) -> None:
     """Give ``drafter`` the passes it has not seen (``deferred``: per pass, the tokens it produced and the hidden
     rows of its committed nodes), as one commit: those tokens, and the rows in order (what a commit reads,
@@ -291,7 +301,7 @@ def generate(
             drafter.commit(acc, out)
             t5 = time.perf_counter()
         elif not done:  # drafting paused: the drafter sees this pass when it next drafts
-            deferred.append((acc.new_tokens, {k: v[:, acc.path].clone() for k, v in out.hidden.items()}))
+            deferred.append((acc.new_tokens, path_rows(out.hidden, acc.path)))
         stats.draft_s += (t2 - t0) + (t5 - t4)
         if costs is not None:
             costs.observe(drafter.name, len(tree), 1000 * (t3 - t2), 1000 * (t2 - t1), 1000 * ((t1 - tc) + (t5 - t4)),

@@ -19,8 +19,8 @@ accepted) that budget is only the tree's cap: each pass the tree is cut to the n
 for a step of pass(k + 1) + drafting ms; the cut keeps the k with the most tokens per ms, k = 0 (a
 plain step) when nothing is confident enough.  pass(n) and drafting are live: moving averages of
 this process's own passes, started from the stored cost curve.  A drafter whose drafted steps commit
-fewer tokens per ms than a plain pass pauses, probing now and then with a few drafted steps and
-resuming after a trial that pays (``LiveCosts.drafting_pays``).  The batch cuts its sequences' trees together (``LiveCosts.cut_many``).
+fewer tokens per ms than a plain pass pauses, probing now and then with a few drafted steps
+(``LiveCosts.drafting_pays``).  The batch cuts its sequences' trees together (``LiveCosts.cut_many``).
 """
 
 from __future__ import annotations
@@ -165,8 +165,6 @@ PROBE_MAX = 128  # ... the pause doubling after each probe that leaves it paused
 # starts again at PROBE: new text may suit it)
 BURST = 6  # a probe: this many drafted steps, their mean blended half and half into the moving average below
 # (one step would hardly move an average over ~30)
-TRIAL = 16  # a probe that pays puts the drafter on trial: its next this many drafted steps are judged on their own,
-# their mean replacing the average (6 lucky steps cost at most these, not the tens the average takes to fall back)
 GATE_EMA = 0.03  # weight of the newest drafted step in what drafting gains and costs (~30 steps: one unlucky
 # stretch does not stop it)
 
@@ -190,8 +188,7 @@ class LiveCosts:
         self.drafted: dict[str, list[float]] = {}  # drafter name -> [average tokens, average ms, steps] of drafted steps
         self.skipped: dict[str, int] = {}  # drafter name -> steps not drafted since its last drafted step
         self.pause: dict[str, int] = {}  # drafter name -> steps between probes while its drafting does not pay
-        self.window: dict[str, list[float]] = {}  # drafter name -> [tokens, ms, steps, length] of the probe
-        # (length BURST) or trial (length TRIAL) under way
+        self.burst: dict[str, list[float]] = {}  # drafter name -> [tokens, ms, steps] of the probe under way
 
     def curve_ms(self, rows: int) -> float:
         """The stored curve at ``rows`` (past its end: along its last two points)."""
@@ -224,32 +221,21 @@ class LiveCosts:
         _average(self.commit, drafter, commit_ms)
         _average(self.propose, drafter, propose_ms)
         step_ms = pass_ms + propose_ms + commit_ms  # what drafting costs from step to step
-        window = self.window.get(drafter)
-        if window is not None:
-            window[0] += tokens
-            window[1] += step_ms + catch_up_ms
-            window[2] += 1
-            if window[2] >= window[3]:
-                self._close(drafter, window[0] / window[2], window[1] / window[2], window[3] == BURST)
+        burst = self.burst.get(drafter)
+        if burst is not None:
+            burst[0] += tokens
+            burst[1] += step_ms + catch_up_ms
+            burst[2] += 1
+            if burst[2] >= BURST:  # the probe's mean counts half: new text moves the gate at once
+                del self.burst[drafter]
+                d = self.drafted[drafter]
+                d[0], d[1] = (d[0] + burst[0] / burst[2]) / 2, (d[1] + burst[1] / burst[2]) / 2
+                self.pause[drafter] = PROBE if self._pays(drafter) else min(2 * self.pause[drafter], PROBE_MAX)
             return
         d = self.drafted.setdefault(drafter, [float(tokens), step_ms, 0])
         d[0] += GATE_EMA * (tokens - d[0])
         d[1] += GATE_EMA * (min(step_ms, CLIP * d[1]) - d[1])
         d[2] += 1
-
-    def _close(self, drafter: str, tokens: float, ms: float, probe: bool) -> None:
-        """The end of a probe or a trial whose drafted steps averaged ``tokens`` for ``ms``.  A probe's mean counts
-        half (new text moves the gate at once) and, if that pays, a trial follows; a trial's mean replaces the
-        average, and if that pays the drafter drafts on.  Either failing pauses it twice as long as before."""
-        del self.window[drafter]
-        d = self.drafted[drafter]
-        d[0], d[1] = ((d[0] + tokens) / 2, (d[1] + ms) / 2) if probe else (tokens, ms)
-        if not self._pays(drafter):
-            self.pause[drafter] = min(2 * self.pause[drafter], PROBE_MAX)
-        elif probe:
-            self.window[drafter] = [0.0, 0.0, 0, TRIAL]
-        else:
-            self.pause[drafter] = PROBE
 
     def observe_pass(self, rows: int, pass_ms: float) -> float:
         """A target pass over ``rows`` rows took ``pass_ms``; returns it as counted (clipped)."""
@@ -276,19 +262,17 @@ class LiveCosts:
 
     def drafting_pays(self, drafter: str) -> bool:
         """Whether to draft this step: while ``_pays``, yes.  Otherwise the drafter pauses, and after ``PROBE``
-        steps probes: ``BURST`` drafted steps whose mean moves the average half way.  If that makes it pay, a
-        trial of ``TRIAL`` drafted steps follows, judged on its own; the drafter drafts on if the trial pays.
-        A probe or trial that does not pay pauses it twice as long (up to ``PROBE_MAX``).  A drafter that keeps
-        not paying costs ever less (its catch-up grows rarer and cheaper per token); one that pays again
-        resumes."""
-        if drafter in self.window or self._pays(drafter):
+        steps probes: ``BURST`` drafted steps whose mean moves the average half way, resuming drafting if that
+        makes it pay, else pausing twice as long (up to ``PROBE_MAX``).  A drafter that keeps not paying costs
+        ever less (its catch-up grows rarer and cheaper per token); one that pays again resumes."""
+        if drafter in self.burst or self._pays(drafter):
             self.skipped[drafter] = 0
             return True
         self.skipped[drafter] = self.skipped.get(drafter, 0) + 1
         if self.skipped[drafter] <= self.pause.setdefault(drafter, PROBE):
             return False
         self.skipped[drafter] = 0
-        self.window[drafter] = [0.0, 0.0, 0, BURST]
+        self.burst[drafter] = [0.0, 0.0, 0]
         return True
 
     def floor(self, drafter: str) -> float:

@@ -1,4 +1,5 @@
-"""The gate A/B of docs/benchmarks.md ("A trial after each probe"): the gate as now (a probe that pays puts the
+"""The gate A/B of docs/benchmarks.md ("A trial after each probe", not kept); it runs at commit 9e2396a, where the trial
+was in the gate: the gate as then (a probe that pays puts the
 drafter on a TRIAL-step trial, judged on its own) against the gate without the trial (a probe that pays resumes
 drafting at once, as at cadfbe6), the same weights, interleaved prompt by prompt, the order rotating, every
 dataset after the one before in one process (the gate's state carries over, as in a server).

@@ -66,7 +66,7 @@ TINY = {
                    query_pre_attn_scalar=48, tie_word_embeddings=True, eos_token_id=1, bos_token_id=2,
                    pad_token_id=0),
 }
-for _d in (48, 80, 128):  # head sizes the vector attention takes in parts (64 dims at a time, then the rest)
+for _d in (48, 80, 96, 128, 256):  # head sizes the vector attention takes in parts (64 dims at a time, then the rest)
     TINY[f"qwen3_d{_d}"] = dict(TINY["qwen3"], num_attention_heads=2, num_key_value_heads=1, head_dim=_d)
 
 

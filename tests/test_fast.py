@@ -261,16 +261,19 @@ def test_long_contexts_give_the_portable_bits_on_every_path(default_target):
 
 
 @needs_simd
-@pytest.mark.parametrize("head_dim", [48, 80, 128])
+@pytest.mark.parametrize("head_dim", [48, 80, 96, 128, 256])
 def test_every_head_size_gives_the_portable_bits(tmp_path, head_dim):
-    """Heads of 48, 80 and 128 dims (the vector paths sum a row's weighted values 64 dims at a time, then the
-    rest) over 75 keys (the scores 8 or 16 keys at a time, then the rest): the portable path's bits."""
+    """Heads of 48 to 256 dims (the vector paths sum a row's weighted values 64 dims at a time, then the last
+    16, 32 or 48) over 75 keys of different tokens (the scores 8 or 16 keys at a time, then the rest): the
+    portable path's bits."""
     make_tiny_hf(f"qwen3_d{head_dim}", tmp_path, scale=3.0)
     w = load_hf_folder(tmp_path)
     t, op = Target(build_model(w, precision="fast"), tokenizer=None, name=w.name, weight_hash=w.weight_hash), \
         torch.ops.specdraft_quant
     assert t.precision == "fast"
-    ids = [random.Random(head_dim).randrange(2, 96) for _ in range(75)]
+    rng = random.Random(head_dim)
+    ids = [rng.randrange(2, 96) for _ in range(75)]
+    assert len(set(ids)) > 40
     tree = Tree(tokens=[5, 7, 9, 11, 13], parents=[-1, 0, 0, 1, 3])
 
     def run():

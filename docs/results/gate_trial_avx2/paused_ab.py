@@ -20,6 +20,7 @@ tot = {"plain": 0.0, "paused": 0.0}
 for i, p in enumerate(prompts):
     for k in (("plain", "paused") if i % 2 else ("paused", "plain")):
         r = generate(t, p, None if k == "plain" else d, GenerateConfig(max_new_tokens=192))
-        tot[k] += r.stats.wall_s if hasattr(r.stats, "wall_s") else 0
+        tot[k] += r.stats.wall_s
         st = r.stats
         print(k, {kk: round(v, 4) if isinstance(v, float) else v for kk, v in vars(st).items() if kk in ("wall_s", "prefill_s", "draft_s", "verify_s", "passes")}, flush=True)
+print("wall_s summed: plain %.3f, paused %.3f (paused / plain %.3f)" % (tot["plain"], tot["paused"], tot["paused"] / tot["plain"]))

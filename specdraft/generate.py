@@ -215,8 +215,8 @@ def path_rows(hidden: dict[int, Tensor], path: list[int], copy: bool = False) ->
     ``copy`` where the tensors are views of a bigger pass that should not be kept alive), else copies."""
     if path == list(range(len(path))):
         return {k: v[:, :len(path)].clone() if copy else v[:, :len(path)] for k, v in hidden.items()}
-    index = torch.tensor(path, device=next(iter(hidden.values())).device) if hidden else None
-    return {k: v.index_select(1, index) for k, v in hidden.items()}
+    rows = torch.tensor(path)
+    return {k: v.index_select(1, rows.to(v.device)) for k, v in hidden.items()}
 
 
 def catch_up(drafter: Drafter, deferred: list[tuple[list[int], dict]]) -> None:

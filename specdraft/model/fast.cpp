@@ -760,6 +760,21 @@ static inline __m256 scores8(const float* q, const float* kbase, int64_t s_s, co
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   return _mm256_mul_ps(_mm256_permutevar8x32_ps(r, order), _mm256_set1_ps(scale));
 }
+
+// out[0 .. 8N) = sum_j e_j v_j / sum for the 8N dims of the values at vbase (each v row s_s apart): each dim's sum
+// over j in slot order, as the portable loop; N a compile-time count, so the N accumulators stay in registers.
+template <int N>
+static inline void wsum8(const float* e, const float* vbase, int64_t s_s, const int32_t* idx, int64_t n,
+                         __m256 vsum, float* out) {
+  __m256 o[N];
+  for (int c = 0; c < N; ++c) o[c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const float* v = vbase + idx[j] * s_s;
+    const __m256 w = _mm256_set1_ps(e[j]);
+    for (int c = 0; c < N; ++c) o[c] = _mm256_add_ps(o[c], _mm256_mul_ps(w, _mm256_loadu_ps(v + 8 * c)));
+  }
+  for (int c = 0; c < N; ++c) _mm256_storeu_ps(out + 8 * c, _mm256_div_ps(o[c], vsum));
+}
 #endif
 
 static void attend(const float* q, int64_t q_stride, const float* kbase, const float* vbase, int64_t s_s,
@@ -862,27 +877,13 @@ static void attend(const float* q, int64_t q_stride, const float* kbase, const f
         lanes[i % 16] = lanes[i % 16] + e[i];
       }
       const __m256 vsum = _mm256_set1_ps(reduce16(lanes));
+      float* og = out + g * out_stride;
       int64_t c0 = 0;
-      for (; c0 + 64 <= D; c0 += 64) {  // 64 dims at a time in 8 registers, each dim's sum over j in order
-        __m256 o[8];
-        for (int c = 0; c < 8; ++c) o[c] = _mm256_setzero_ps();
-        for (int64_t j = 0; j < n; ++j) {
-          const float* v = vbase + idx[j] * s_s + c0;
-          const __m256 w = _mm256_set1_ps(e[j]);
-          for (int c = 0; c < 8; ++c) o[c] = _mm256_add_ps(o[c], _mm256_mul_ps(w, _mm256_loadu_ps(v + 8 * c)));
-        }
-        for (int c = 0; c < 8; ++c) _mm256_storeu_ps(out + g * out_stride + c0 + 8 * c, _mm256_div_ps(o[c], vsum));
-      }
-      if (c0 < D) {  // the last 16, 32 or 48 dims
-        __m256 o[6];
-        const int64_t C8 = (D - c0) / 8;
-        for (int64_t c = 0; c < C8; ++c) o[c] = _mm256_setzero_ps();
-        for (int64_t j = 0; j < n; ++j) {
-          const float* v = vbase + idx[j] * s_s + c0;
-          const __m256 w = _mm256_set1_ps(e[j]);
-          for (int64_t c = 0; c < C8; ++c) o[c] = _mm256_add_ps(o[c], _mm256_mul_ps(w, _mm256_loadu_ps(v + 8 * c)));
-        }
-        for (int64_t c = 0; c < C8; ++c) _mm256_storeu_ps(out + g * out_stride + c0 + 8 * c, _mm256_div_ps(o[c], vsum));
+      for (; c0 + 64 <= D; c0 += 64) wsum8<8>(e, vbase + c0, s_s, idx, n, vsum, og + c0);  // 64 dims in 8 registers
+      switch ((D - c0) / 8) {  // the last 16, 32 or 48 dims
+        case 2: wsum8<2>(e, vbase + c0, s_s, idx, n, vsum, og + c0); break;
+        case 4: wsum8<4>(e, vbase + c0, s_s, idx, n, vsum, og + c0); break;
+        case 6: wsum8<6>(e, vbase + c0, s_s, idx, n, vsum, og + c0); break;
       }
     }
     return;

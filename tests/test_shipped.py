@@ -23,16 +23,16 @@ DATASETS = ("gsm", "mtbench", "humaneval")
 # pooled tokens per pass over the three prompts at budgets (1, default, 32), measured on the 2-core
 # CPU with no cost curve stored (default budgets: ngram 2, phrase 6, hybrids 3, block / mfd / dflash 4),
 # 2026-12-02 to 2026-12-06; every shipped drafter's floors with its weights retrained on the fast mode's data
-# (phrase: on the broad mix's first three parts, 2026-12-07)
+# (phrase: on the broad mix's first three parts, 2026-12-07; gumiho: narrow, on its parts 1-4, 2026-12-07)
 MEASURED = {
     "ngram": (1.163, 1.224, 1.368),
     "phrase": (1.329, 2.325, 2.906),
     "phrase@ngram=0": (1.329, 1.603, 1.860),
-    "gumiho": (1.453, 1.722, 2.022),
+    "gumiho": (1.409, 1.691, 2.114),
     "medusa": (1.409, 1.576, 1.824),
     "eagle": (1.431, 1.691, 2.268),
     "eagle3": (1.388, 1.603, 2.114),
-    "gumiho@ngram=2": (1.500, 1.938, 2.268),
+    "gumiho@ngram=2": (1.476, 1.938, 2.268),
     "block": (1.431, 1.632, 1.898),
     "mfd": (1.348, 1.632, 1.898),
     "mfd@ngram=2": (1.476, 1.938, 2.163),

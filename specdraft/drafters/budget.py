@@ -19,9 +19,8 @@ accepted) that budget is only the tree's cap: each pass the tree is cut to the n
 for a step of pass(k + 1) + drafting ms; the cut keeps the k with the most tokens per ms, k = 0 (a
 plain step) when nothing is confident enough.  pass(n) and drafting are live: moving averages of
 this process's own passes, started from the stored cost curve.  A drafter whose drafted steps commit
-fewer tokens per ms than a plain pass pauses, probing now and then with a few drafted steps, the
-rarer the more a probe loses (``LiveCosts.drafting_pays``).  The batch cuts its sequences' trees
-together (``LiveCosts.cut_many``).
+fewer tokens per ms than a plain pass pauses, probing now and then with a few drafted steps
+(``LiveCosts.drafting_pays``).  The batch cuts its sequences' trees together (``LiveCosts.cut_many``).
 """
 
 from __future__ import annotations
@@ -163,11 +162,7 @@ SEEN = 8  # passes of one size after which its own average replaces the scaled c
 CLIP = 1.5  # a pass counts as at most this many times the current estimate (a preempted pass is noise, not pace)
 PROBE = 16  # a drafter whose drafted steps do not pay pauses for this many steps, then probes ...
 PROBE_MAX = 128  # ... the pause doubling after each probe that leaves it paused, up to this (each new generation
-# starts again at PROBE: new text may suit it) ...
-EXPLORE = 0.03  # ... and at least long enough that the probe's loss (its ms beyond plain passes committing as many
-# tokens) is at most this share of the time the probe and the pause take: a drafter whose drafted steps cost much more
-# than they commit (a model drafter on text it does not suit) probes rarely, a cheap one (a lookup) as often as before
-PAUSE_MAX = 512  # the longest pause that loss can ask for
+# starts again at PROBE: new text may suit it)
 BURST = 6  # a probe: this many drafted steps, their mean blended half and half into the moving average below
 # (one step would hardly move an average over ~30)
 GATE_EMA = 0.03  # weight of the newest drafted step in what drafting gains and costs (~30 steps: one unlucky
@@ -235,7 +230,7 @@ class LiveCosts:
                 del self.burst[drafter]
                 d = self.drafted[drafter]
                 d[0], d[1] = (d[0] + burst[0] / burst[2]) / 2, (d[1] + burst[1] / burst[2]) / 2
-                self.pause[drafter] = PROBE if self._pays(drafter) else self._next_pause(drafter, burst)
+                self.pause[drafter] = PROBE if self._pays(drafter) else min(2 * self.pause[drafter], PROBE_MAX)
             return
         d = self.drafted.setdefault(drafter, [float(tokens), step_ms, 0])
         d[0] += GATE_EMA * (tokens - d[0])
@@ -259,15 +254,6 @@ class LiveCosts:
         if drafter in self.pause:
             self.pause[drafter] = PROBE
 
-    def _next_pause(self, drafter: str, burst: list[float]) -> int:
-        """Steps to pause after a probe (``burst``: its [tokens, ms, steps]) that leaves ``drafter`` paused: twice
-        the pause before (up to ``PROBE_MAX``), or, where longer, the paused steps over which the probe's loss
-        (ms beyond plain passes committing its tokens) is ``EXPLORE`` of the time: loss / (EXPLORE x pass(1))."""
-        plain = self.pass_ms(1)[0]
-        loss = burst[1] - burst[0] * plain
-        spread = int(loss / (EXPLORE * plain)) if loss > 0 and plain > 0 else 0
-        return max(min(2 * self.pause[drafter], PROBE_MAX), min(spread, PAUSE_MAX))
-
     def _pays(self, drafter: str) -> bool:
         """Whether ``drafter``'s drafted steps (their moving average) commit more tokens per ms than plain passes,
         or are too few to say."""
@@ -277,9 +263,8 @@ class LiveCosts:
     def drafting_pays(self, drafter: str) -> bool:
         """Whether to draft this step: while ``_pays``, yes.  Otherwise the drafter pauses, and after ``PROBE``
         steps probes: ``BURST`` drafted steps whose mean moves the average half way, resuming drafting if that
-        makes it pay, else pausing twice as long (up to ``PROBE_MAX``) or longer where the probe lost much
-        (``_next_pause``).  A drafter that keeps not paying costs ever less (its catch-up grows rarer and
-        cheaper per token); one that pays again resumes."""
+        makes it pay, else pausing twice as long (up to ``PROBE_MAX``).  A drafter that keeps not paying costs
+        ever less (its catch-up grows rarer and cheaper per token); one that pays again resumes."""
         if drafter in self.burst or self._pays(drafter):
             self.skipped[drafter] = 0
             return True

@@ -55,8 +55,8 @@ train() {
 for name in "${NAMES[@]}"; do
   case $name in
     phrase) train phrase phrase --vocab-size 8000 --epochs 4 ;;
-    gumiho) train gumiho hybrid --serial 2 --parallel 5 --serial-layers 2 --head-blocks 5 --head-grad 0 --distill 1.0 \
-              --feature-loss 1.0 --layers "$LAYERS,-1" ;;
+    gumiho) train gumiho hybrid --serial 2 --parallel 5 --serial-layers 2 --head-blocks 1 --head-grad 0 --distill 1.0 \
+              --feature-loss 1.0 --layers "$LAYERS,-1" --width 256 ;;  # the shipped shape (its data: the broad mix)
     medusa) train medusa hybrid --serial 0 --parallel 7 --distill 1.0 --layers "$LAYERS,-1" ;;
     eagle) train eagle hybrid --serial 7 --parallel 0 --distill 1.0 --layers "$LAYERS,-1" ;;
     eagle3) train eagle3 eagle3 --epochs 4 ;;

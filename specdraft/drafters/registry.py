@@ -80,8 +80,8 @@ REGISTRY: dict[str, DrafterSpec] = {s.name: s for s in (
                 "prompt lookup", PhraseOptions, load_phrase, PhraseDrafter.default_budget, kind="phrase", weights="phrase_smollm2_135m.safetensors",
                 train=f"specdraft train phrase {DATA_HINT} --out {{path}}"),
     _hybrid("gumiho", "Gumiho: serial Transformer steps for early tokens, parallel MLP heads for later ones",
-            "--serial 2 --parallel 5 --serial-layers 2 --head-blocks 5 --head-grad 0 --distill 1.0 --feature-loss 1.0 "
-            "--layers 2,15,27,-1"),
+            "--serial 2 --parallel 5 --serial-layers 2 --head-blocks 1 --head-grad 0 --distill 1.0 --feature-loss 1.0 "
+            "--layers 2,15,27,-1 --width 256"),
     _hybrid("medusa", "Medusa: parallel MLP heads on the target's features", "--serial 0 --parallel 7 --distill 1.0 "
             "--layers 2,15,27,-1"),
     _hybrid("eagle", "EAGLE-style: a serial decoder layer on fused target features, run step by step",

@@ -56,7 +56,8 @@ for name in "${NAMES[@]}"; do
   case $name in
     phrase) train phrase phrase --vocab-size 8000 --epochs 4 ;;
     gumiho) train gumiho hybrid --serial 2 --parallel 5 --serial-layers 2 --head-blocks 1 --head-grad 0 --distill 1.0 \
-              --feature-loss 1.0 --layers "$LAYERS,-1" --width 256 ;;  # the shipped shape (its data: the broad mix)
+              --feature-loss 1.0 --layers "$LAYERS,-1" --width 256 ;;  # the shipped shape; the shipped weights were
+              # trained on the broad mix (docs/training.md, "Narrow drafters"), not on this script's data
     medusa) train medusa hybrid --serial 0 --parallel 7 --distill 1.0 --layers "$LAYERS,-1" ;;
     eagle) train eagle hybrid --serial 7 --parallel 0 --distill 1.0 --layers "$LAYERS,-1" ;;
     eagle3) train eagle3 eagle3 --epochs 4 ;;

@@ -31,8 +31,9 @@ from specdraft.errors import SpecdraftError
 from specdraft.nn.checkpoint import checkpoint_kind, checkpoint_manifest, fits_target, load_draft_model
 
 WEIGHTS_DIR = Path(__file__).resolve().parents[1] / "weights"  # shipped weights: NAME_MODEL.safetensors per target
-# the folders every shipped drafter was trained on (scripts/train_drafters.sh): the fast mode's own responses and
-# their features of target layers 2, 15, 27 and the final state
+# the folders a drafter's recipe trains on (scripts/train_drafters.sh): the fast mode's own responses and their
+# features of target layers 2, 15, 27 and the final state (phrase and gumiho ship trained on the broad mix instead:
+# docs/training.md)
 DATA_HINT = "--data data/smollm2 --features data/smollm2_feat --precision fast"
 
 

@@ -288,7 +288,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "mode), so that `specdraft export --format dflash` can write it")
     tb.add_argument("--mask-token", type=int, default=0,
                     help="with --dflash: the target token whose embedding fills the mask rows (default 0)")
-    _add_trainer_args(tb)
+    tb.add_argument("--width", type=int, default=0,
+                    help="the drafter's own hidden size, a multiple of the target's head size and of 32 (default 0 = "
+                         "the target's): its context, block rows and layers at that width, a cheaper drafting pass")
+    tb.add_argument("--bf16", type=int, default=-1, choices=(-1, 0, 1),
+                    help="bfloat16 autocast for the matmuls: 1 on, 0 off, -1 (default) where the device multiplies "
+                         "bfloat16 natively (a GPU, or a CPU with native bfloat16; elsewhere it is several times slower)")
+    _add_trainer_args(tb, many=True)
     _add_target_args(tb)
 
     tpr = tsub.add_parser("profile", help="measure a trained drafter's tokens per pass and drafting time per node "
@@ -567,7 +573,7 @@ def _check_data_and_init(args) -> None:
     """Clear errors, before the target loads, for a --data folder that is not a data build or a missing --init."""
     for d in args.data:
         read_manifest(Path(d))
-    if args.init and not Path(args.init).is_file():
+    if getattr(args, "init", "") and not Path(args.init).is_file():
         raise SpecdraftError(f"--init {args.init}: no such checkpoint")
 
 
@@ -647,7 +653,7 @@ def cmd_train(args) -> None:
         for name in ("modes", "epochs", "batch_tokens", "draft_layers"):
             if getattr(args, name) < 1:
                 raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 1")
-        for name in ("steps", "anchors", "draft_vocab", "shards"):
+        for name in ("steps", "anchors", "draft_vocab", "shards", "width"):
             if getattr(args, name) < 0:
                 raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 0")
         if args.block_size < 2 or args.gamma <= 0:
@@ -661,8 +667,10 @@ def cmd_train(args) -> None:
                                feature_layers=layers, draft_vocab=args.draft_vocab, epochs=args.epochs, steps=args.steps,
                                anchors=args.anchors, batch_tokens=args.batch_tokens, lr=args.lr, gamma=args.gamma,
                                shards=args.shards, seed=args.seed, gate=not args.no_gate, qk_norm=args.dflash,
-                               mask_token=args.mask_token if args.dflash else -1)
-        read_manifest(Path(args.data))  # a clear error for a folder that is not a data build
+                               mask_token=args.mask_token if args.dflash else -1, width=args.width, bf16=args.bf16)
+        if args.dflash and args.width:
+            raise SpecdraftError("--dflash trains DFlash's shape, which is the target's width: leave --width out")
+        _check_data_and_init(args)
         target = _engine(args).target
         log = (lambda *a, **k: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
         train_block(target, args.data, args.features, args.out, cfg, quiet=args.quiet, log=log)

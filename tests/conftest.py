@@ -186,3 +186,20 @@ def tiny_train_data(tiny_chat_target, tmp_path_factory):
     D.build_data(tiny_chat_target, root / "data", cfg, quiet=True, prompts=prompts)
     D.cache_features(tiny_chat_target, root / "data", root / "feat", (0, 1, 2, FINAL), quiet=True)
     return root
+
+
+@pytest.fixture(scope="session")
+def tiny_more_data(tiny_chat_target, tmp_path_factory):
+    """A second, smaller data folder of the tiny chat target (5 poem prompts none of ``tiny_train_data``'s;
+    features of layer 1 and final): for training on several --data folders."""
+    from specdraft.model.llama import FINAL
+    from specdraft.train import data as D
+    from specdraft.train.prompts import Prompt
+
+    root = tmp_path_factory.mktemp("more_data")
+    prompts = [Prompt(id=i, source="magpie", text=f"Write a short poem about the number {i}.") for i in range(5)]
+    D.build_data(tiny_chat_target, root / "data", D.BuildConfig(n_prompts=5, max_new_tokens=24, batch_size=5,
+                                                                shard_size=5, sources=("magpie",)),
+                 quiet=True, prompts=prompts)
+    D.cache_features(tiny_chat_target, root / "data", root / "feat", (1, FINAL), quiet=True)
+    return root

@@ -31,6 +31,7 @@ def one_thread():
 
 
 DFLASH = dict(qk_norm=True, mask_token=5)  # DFlash's shape: q/k norm, the target's embedding of token 5 as the mask
+NARROW = dict(width=32)  # the network at width 32 (two of the tiny target's 16-wide heads), read out through a lift
 
 
 def _random_model(target, modes: int, block: int = 5, layers: int = 2, vocab: int = 0, seed: int = 0,
@@ -50,7 +51,7 @@ def _random_model(target, modes: int, block: int = 5, layers: int = 2, vocab: in
 # ---------------------------------------------------------------------------- training == drafting
 
 
-@pytest.mark.parametrize("modes,shape", [(1, {}), (3, {}), (1, DFLASH)])
+@pytest.mark.parametrize("modes,shape", [(1, {}), (3, {}), (1, DFLASH), (3, NARROW)])
 def test_block_mask_pass_equals_per_block_drafting(tiny_llama, modes, shape):
     from specdraft.replay import sequence_hidden
 
@@ -91,7 +92,7 @@ def test_block_mask_pass_equals_per_block_drafting(tiny_llama, modes, shape):
             assert abs(float(d.mode_prior().exp().sum()) - 1) < 1e-5
 
 
-@pytest.mark.parametrize("modes,shape", [(1, {}), (3, {}), (1, DFLASH)])
+@pytest.mark.parametrize("modes,shape", [(1, {}), (3, {}), (1, DFLASH), (3, NARROW)])
 def test_drafting_on_the_fast_kernel_equals_the_8_bit_network(tiny_llama, modes, shape):
     """On the fast kernel (``prepack(int8=True)``) each drafter layer is one C++ call (q/k norm included),
     the last computing only the rows the tree reads, and the top-k is taken in C++: the same numbers as the
@@ -137,6 +138,26 @@ def test_dflash_shape(tiny_llama):
         _random_model(target, 2, **DFLASH)
     with pytest.raises(SpecdraftError, match="must be a target token id"):
         _random_model(target, 1, qk_norm=True, mask_token=target.config.vocab_size)
+    with pytest.raises(SpecdraftError, match="target's width"):
+        _random_model(target, 1, **DFLASH, **NARROW)
+
+
+def test_narrow_shape(tiny_llama):
+    """A narrow block drafter: context, block rows, layers and gate at width W, e(root) projected to it, the
+    scores lifted into the frozen head rows (folded into them for inference); widths the layers cannot take
+    are refused."""
+    _, target, _ = tiny_llama
+    h = target.config.hidden_size
+    m = _random_model(target, 3, gate=True, vocab=40, **NARROW)
+    assert m.layer_cfg.hidden_size == 32 and m.fuse.weight.shape == (32, 2 * h) and m.inp.weight.shape == (32, h)
+    assert m.mask_emb.shape == (32,) and m.mode_emb.shape == (3, 32) and m.lift.weight.shape == (h, 32)
+    x = m.block_inputs(torch.tensor([7]))  # [1, K, B, W]
+    assert x.shape == (1, 3, 5, 32)
+    torch.testing.assert_close(x[0, :, 0], m.inp(m.embed[7]) + m.mode_emb)
+    assert _random_model(target, 1, width=h).inp is None  # W = H: the target-shaped network
+    for bad in (20, 48 + h):
+        with pytest.raises(SpecdraftError, match="width"):
+            _random_model(target, 1, width=bad)
 
 
 def test_commit_extends_the_context_with_accepted_features(tiny_llama):
@@ -213,7 +234,8 @@ def test_prepacked_bf16_drafter_drafts_the_same(tiny_llama):
 # ---------------------------------------------------------------------------- lossless decoding
 
 
-@pytest.mark.parametrize("modes,gate,shape", [(1, False, {}), (3, False, {}), (3, True, {}), (1, False, DFLASH)])
+@pytest.mark.parametrize("modes,gate,shape", [(1, False, {}), (3, False, {}), (3, True, {}), (1, False, DFLASH),
+                                              (3, True, NARROW)])
 def test_random_drafters_are_lossless_with_every_tree(tiny_chat_target, modes, gate, shape):
     import copy
 
@@ -327,6 +349,43 @@ def test_corrupt_mismatched_and_missing_checkpoints(tiny_chat_target, tiny_llama
     for name, k in (("block", 1), ("mfd", 4)):
         with pytest.raises(SpecdraftError, match=f"not in this install yet.*train block --modes {k}"):
             make_drafter(name, tiny_chat_target)
+
+
+def test_narrow_drafter_trains_on_two_data_folders(tiny_chat_target, tiny_train_data, tiny_more_data, tmp_path):
+    """`train block --width W` with several --data folders: each folder keeps its own held-out split (the
+    first's is the one a budget profile replays), the manifest names every folder, and the narrow drafter
+    loads by path and decodes losslessly, in every precision; a folder repeated is refused."""
+    from specdraft.train.profile import held_out_sequences
+
+    t, more = tiny_chat_target, tiny_more_data
+    path = tmp_path / "narrow.safetensors"
+    cfg = TB.BlockTrainConfig(modes=2, block_size=5, feature_layers=(1, FINAL), draft_vocab=256, epochs=6, anchors=8,
+                              batch_tokens=256, lr=3e-3, holdout=0.2, width=32)
+    m = TB.train_block(t, [tiny_train_data / "data", more / "data"], [tiny_train_data / "feat", more / "feat"], path, cfg,
+                       quiet=True, log=lambda *a: None)
+    assert m["config"]["width"] == 32 and m["history"][-1]["train_loss"] < m["history"][0]["train_loss"]
+    assert m["data"]["dir"] == str(tiny_train_data / "data") and [d["sequences"] for d in m["data_more"]] == [5]
+    alone = _train(t, tiny_train_data, tmp_path / "alone.safetensors", epochs=1)
+    assert held_out_sequences(tiny_train_data / "data", m, 32) == held_out_sequences(tiny_train_data / "data", alone, 32)
+    for p in PROMPTS:
+        ids = t.encode_prompt(f"{p} (variant 0)")
+        ref = generate(t, ids, NoDrafter(), GenerateConfig(max_new_tokens=32)).token_ids
+        for spec in (str(path), f"{path}@int8=0,bf16=0", f"{path}@tree=ddtree"):
+            d = make_drafter(spec, t, budget=6)
+            assert d.model.layer_cfg.hidden_size == 32
+            assert generate(t, ids, d, GenerateConfig(max_new_tokens=32)).token_ids == ref, spec
+    with pytest.raises(SpecdraftError, match="more than one --data folder"):
+        TB.train_block(t, [more / "data", more / "data"], [more / "feat", more / "feat"], tmp_path / "x.safetensors",
+                       cfg, quiet=True, log=lambda *a: None)
+
+
+def test_bf16_autocast_only_where_native():
+    from specdraft.model.packed import native_bf16
+
+    cpu = torch.device("cpu")
+    assert TB.BlockTrainConfig().use_bf16(cpu) == native_bf16(cpu)
+    assert TB.BlockTrainConfig(bf16=1).use_bf16(cpu) and not TB.BlockTrainConfig(bf16=0).use_bf16(cpu)
+    assert TB.BlockTrainConfig().use_bf16(torch.device("cuda"))
 
 
 def test_training_resumes_to_the_same_weights(tiny_chat_target, tiny_train_data, tmp_path, monkeypatch):

@@ -301,3 +301,17 @@ def test_unknown_precision(capsys):
 def test_bench_with_a_missing_llama_cpp_folder(capsys, tmp_path):
     rc, _, err = run_cli(capsys, "bench", "--cost-curve", "--llama-cpp", str(tmp_path / "nope"))
     assert_one_line_error(rc, err, "build_llamacpp.sh")
+
+
+def test_train_block_option_errors_before_loading(capsys, tmp_path):
+    """`train block`: DFlash's shape with a narrower width, a negative width, a bf16 choice outside -1/0/1 and a
+    --data folder that is not a data build are one-line errors (the checks come before the target loads)."""
+    base = ["train", "block", "--data", str(tmp_path), "--features", str(tmp_path), "--out", "o.safetensors"]
+    rc, _, err = run_cli(capsys, *base, "--dflash", "--width", "256")
+    assert_one_line_error(rc, err, "target's width")
+    rc, _, err = run_cli(capsys, *base, "--width", "-32")
+    assert_one_line_error(rc, err, "--width must be >= 0")
+    rc, _, err = run_cli(capsys, *base, "--bf16", "2")
+    assert_one_line_error(rc, err, "--bf16")
+    rc, _, err = run_cli(capsys, *base)
+    assert_one_line_error(rc, err, str(tmp_path))

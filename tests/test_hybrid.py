@@ -490,20 +490,14 @@ def test_training_resumes_to_the_same_weights(tiny_chat_target, tiny_train_data,
     assert len(m["history"]) == 2 and not state.exists()
 
 
-def test_fine_tuning_from_a_checkpoint_on_two_data_folders(tiny_chat_target, tiny_train_data, tmp_path):
+def test_fine_tuning_from_a_checkpoint_on_two_data_folders(tiny_chat_target, tiny_train_data, tiny_more_data, tmp_path):
     """--init starts from a trained drafter (its weights and draft vocabulary), several --data folders
     train together, each keeps its own held-out split, and a drafter of another shape is refused."""
     from specdraft.nn.checkpoint import load_checkpoint
-    from specdraft.train import data as D
+    from specdraft.train.corpus import load_corpora
     from specdraft.train.profile import held_out_sequences
-    from specdraft.train.prompts import Prompt
 
-    t = tiny_chat_target
-    more = tmp_path / "more"
-    prompts = [Prompt(id=i, source="magpie", text=f"Write a short poem about the number {i}.") for i in range(5)]
-    D.build_data(t, more / "data", D.BuildConfig(n_prompts=5, max_new_tokens=24, batch_size=5, shard_size=5,
-                                                   sources=("magpie",)), quiet=True, prompts=prompts)
-    D.cache_features(t, more / "data", more / "feat", (1, FINAL), quiet=True)
+    t, more = tiny_chat_target, tiny_more_data
     base = tmp_path / "base.safetensors"
     m0 = _train(t, tiny_train_data, base, epochs=1)
     s, m = CONFIGS["gumiho"]
@@ -534,7 +528,7 @@ def test_fine_tuning_from_a_checkpoint_on_two_data_folders(tiny_chat_target, tin
     assert [d["sequences"] for d in mf["data_more"]] == [5] and mf["init"]["history"] == m0["history"]
     # the first folder's held-out split is the one it had alone, so its budget profile replays the same sequences
     assert held_out_sequences(tiny_train_data / "data", mf, 8) == held_out_sequences(tiny_train_data / "data", m0, 8)
-    corpus, _, groups = H.load_corpora([(tiny_train_data / "data", tiny_train_data / "feat"), (more / "data", more / "feat")],
+    corpus, _, groups = load_corpora([(tiny_train_data / "data", tiny_train_data / "feat"), (more / "data", more / "feat")],
                                        (1, FINAL), need_final=False)
     assert groups == [n1, 5] and len(corpus.tokens) == n1 + 5
     tr, va, *_ = H.split_and_vocabulary(corpus, 0, 0.2, 256, t, groups=groups)

@@ -10,13 +10,17 @@ projection.  They depend on committed positions only, so the drafter caches them
 cache on commit with the features of the newly accepted tokens.
 
 Block.  Input rows at positions n .. n+B-1: [e(x_n), m, .., m] + u_k, with e the target's frozen
-embedding, m a learned MASK embedding and u_k the learned embedding of mode k (K modes; K = 1 is
+embedding (through a learned projection H -> W in a narrow drafter), m a learned MASK embedding and u_k the learned embedding of mode k (K modes; K = 1 is
 the single-mode DFlash drafter, whose one u acts as a bias).  Each target-shaped decoder layer
 takes queries from the block rows only; keys/values are [context ; block], bidirectional inside
 the block, the context strictly before the anchor n.  Row j (1 <= j <= B-1) scores x_{n+j} through
 a final RMSNorm and the frozen target LM head restricted to a draft vocabulary (the training
 responses' most frequent tokens; only their ids are stored).  All K blocks share the context and
 run in one pass (K*B query rows, a block-diagonal mask between the modes).
+
+Width.  With ``width`` W < H (a cheaper pass on a CPU) the context, the block rows and the layers are W
+wide (the target's layer shape at width W, ``TargetShape.narrow``) and the scores go through a learned
+lift W -> H into the frozen LM-head rows (``DraftModel``), folded into them for inference.
 
 DFlash's exact shape (``BlockConfig.dflash``, exportable with ``specdraft export --format dflash``):
 q/k RMSNorm per head before RoPE (on the context keys too), m = e(mask_token), the target's own
@@ -54,6 +58,7 @@ class BlockConfig(TargetShape):
     qk_norm: bool = False  # an RMSNorm over each query / key head before RoPE (Qwen3's layers, DFlash's)
     mask_token: int = -1  # >= 0: the mask rows are the target's frozen embedding of this token and
     #                       there is no mode embedding (DFlash); -1: a learned MASK plus mode embeddings
+    width: int = 0  # W: the network's own hidden size (0 = the target's H; narrower = a cheaper drafting pass)
 
     def __post_init__(self) -> None:
         self.feature_layers = tuple(int(x) for x in self.feature_layers)
@@ -65,6 +70,13 @@ class BlockConfig(TargetShape):
         if self.mask_token >= self.vocab_size or (self.mask_token >= 0 and self.modes != 1):
             raise SpecdraftError(f"mask_token must be a target token id (< {self.vocab_size}) and needs a single "
                                  f"mode (got mask_token={self.mask_token}, modes={self.modes})")
+        if not 0 <= self.width <= self.hidden_size:
+            raise SpecdraftError(f"width must be in 0 .. {self.hidden_size} (0 = the target's hidden size; "
+                                 f"got {self.width})")
+        if self.width not in (0, self.hidden_size) and (self.qk_norm or self.mask_token >= 0):
+            raise SpecdraftError("DFlash's shape (q/k norm, the target's mask token) is the target's width: "
+                                 f"a narrower width ({self.width}) cannot be exported to it")
+        self.narrow(self.width)  # a width the layers cannot take is refused here, not at the first forward
 
     @property
     def dflash(self) -> bool:
@@ -82,36 +94,37 @@ class BlockModel(DraftModel):
 
     def __init__(self, cfg: BlockConfig, embed: Tensor, lm_head: Tensor, vocab_ids: Tensor) -> None:
         super().__init__(cfg, embed, lm_head, vocab_ids)
-        h = cfg.hidden_size
-        self.fuse = nn.Linear(len(cfg.feature_layers) * h, h, bias=False)
-        self.ctx_norm = RMSNorm(h, cfg.rms_eps)
-        self.layers = nn.ModuleList(DraftLayer(cfg, qk_norm=cfg.qk_norm) for _ in range(cfg.layers))
-        self.norm = RMSNorm(h, cfg.rms_eps)
+        h, w = cfg.hidden_size, self.layer_cfg.hidden_size  # the target's width, the network's
+        self.fuse = nn.Linear(len(cfg.feature_layers) * h, w, bias=False)
+        self.ctx_norm = RMSNorm(w, cfg.rms_eps)
+        self.inp = nn.Linear(h, w, bias=False) if w != h else None  # e(root) into the network's width
+        self.layers = nn.ModuleList(DraftLayer(self.layer_cfg, qk_norm=cfg.qk_norm) for _ in range(cfg.layers))
+        self.norm = RMSNorm(w, cfg.rms_eps)
         if cfg.mask_token < 0:
             std = float(embed.float().std())  # new embeddings on the scale of the target's
-            self.mask_emb = nn.Parameter(torch.randn(h) * std)
-            self.mode_emb = nn.Parameter(torch.randn(cfg.modes, h) * std)  # [K, H]
+            self.mask_emb = nn.Parameter(torch.randn(w) * std)
+            self.mode_emb = nn.Parameter(torch.randn(cfg.modes, w) * std)  # [K, W]
         if cfg.gate:
-            self.gate = nn.Linear(h, 1, bias=False)  # score of mode k = w . (final state of mode k's root row)
+            self.gate = nn.Linear(w, 1, bias=False)  # score of mode k = w . (final state of mode k's root row)
         self._kv: list | None = None  # per layer the K/V rows of wqkv as a PackedWeight or FastWeight (prepack)
 
     def prepack(self, int8: bool = False, fused: bool = True, kind: str = "Q8_0") -> bool:
         """``DraftModel.prepack``, plus the K/V rows of every layer's wqkv (the context's KV injection)."""
         if not super().prepack(int8, fused, kind):
             return False
-        q_rows = self.cfg.num_heads * self.cfg.head_dim
+        q_rows = self.layer_cfg.num_heads * self.layer_cfg.head_dim
         make = (lambda w: FastWeight.from_dense(w, kind)) if int8 else PackedWeight
         self._kv = [make(layer.wqkv.weight[q_rows:]) for layer in self.layers]
         return True
 
     def context(self, feats: Tensor) -> Tensor:
-        """[B, T, n_layers * H] target features -> c [B, T, H]."""
+        """[B, T, n_layers * H] target features -> c [B, T, W]."""
         return self.ctx_norm(self.fuse(feats))
 
     def context_kv(self, c: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
         """Per drafter layer the context's keys (RoPE at ``positions`` [B, T]) and values, each
         [B, Hkv, T, D], through the layer's own K/V projection (KV injection)."""
-        cfg = self.cfg
+        cfg = self.layer_cfg
         rot = self.rotation(positions)
         q_rows = cfg.num_heads * cfg.head_dim
         out = []
@@ -125,27 +138,29 @@ class BlockModel(DraftModel):
         return out
 
     def block_inputs(self, first: Tensor) -> Tensor:
-        """first [...] root tokens -> block inputs [..., K, B, H]: [e(root), m x (B-1)] + u_k (DFlash:
-        m = e(mask_token), no u)."""
+        """first [...] root tokens -> block inputs [..., K, B, W]: [e(root), m x (B-1)] + u_k (DFlash:
+        m = e(mask_token), no u; a narrow drafter projects e(root) to W)."""
         cfg = self.cfg
         e = self.embed[first]  # [..., H]
+        if self.inp is not None:
+            e = self.inp(e)  # [..., W]
         m = self.mask_emb if cfg.mask_token < 0 else self.embed[cfg.mask_token].to(e.dtype)
         rows = torch.cat([e[..., None, :], m.expand(*e.shape[:-1], cfg.block_size - 1, -1)], -2)  # [..., B, H]
         if cfg.mask_token >= 0:
             return rows[..., None, :, :]  # [..., 1, B, H]
-        return rows[..., None, :, :] + self.mode_emb[:, None, :]  # [..., K, B, H]
+        return rows[..., None, :, :] + self.mode_emb[:, None, :]  # [..., K, B, W]
 
     def run_blocks(self, x: Tensor, positions: Tensor, mask: Tensor | None, ctx: list[tuple[Tensor, Tensor]]) -> Tensor:
-        """Block rows x [B, Q, H] at ``positions`` [B, Q] through the layers, attending to the
+        """Block rows x [B, Q, W] at ``positions`` [B, Q] through the layers, attending to the
         context K/V ``ctx`` (per layer [B, Hkv, P, D]) and to block rows as ``mask`` allows
-        (bool [B, 1, Q, P+Q], True = may attend; None = everything).  Returns RMSNorm(out) [B, Q, H]."""
+        (bool [B, 1, Q, P+Q], True = may attend; None = everything).  Returns RMSNorm(out) [B, Q, W]."""
         rot = self.rotation(positions)
         for layer, (k, v) in zip(self.layers, ctx):
             x, _, _ = layer(x, rot, mask, k, v)
         return self.norm(x)
 
     def mode_logp(self, h_root: Tensor) -> Tensor:
-        """Final states of the K root rows [..., K, H] -> log pi_k [..., K]: the gate's
+        """Final states of the K root rows [..., K, W] -> log pi_k [..., K]: the gate's
         log-probability that mode k's block is the one the target continues (uniform without a gate)."""
         if not self.cfg.gate:
             return torch.full(h_root.shape[:-1], -math.log(self.cfg.modes), device=h_root.device)

@@ -36,10 +36,12 @@ from torch import Tensor
 from tqdm import tqdm
 
 from specdraft.errors import SpecdraftError
+from specdraft.model.packed import native_bf16
 from specdraft.nn.block import BlockConfig, BlockModel
 from specdraft.nn.checkpoint import target_identity
-from specdraft.train.corpus import AnchorBatch, Corpus, load_corpus, make_batch, plan_epoch, split_and_vocabulary, token_at
-from specdraft.train.data import check_data_target, data_sha256
+from specdraft.train.corpus import (AnchorBatch, Corpus, load_training_data, make_batch, plan_epoch,
+                                    split_and_vocabulary, token_at)
+from specdraft.train.data import data_record, data_sha256
 from specdraft.train.loop import adamw, optimizer_step, resume, save_fp16, save_state, set_lr, state_path
 
 
@@ -68,7 +70,9 @@ class BlockTrainConfig:
     holdout: float = 0.05  # share of sequences held out for validation
     shards: int = 0  # use the first N data shards only (0 = all)
     save_every: int = 100  # steps between resume-state saves inside an epoch
-    bf16: bool = True  # bfloat16 autocast for the matmuls (fp32 weights, optimizer and loss)
+    bf16: int = -1  # bfloat16 autocast for the matmuls (fp32 weights, optimizer and loss): 1 on, 0 off, -1 where the
+    # device multiplies bfloat16 natively (a GPU, or a CPU with native bfloat16: elsewhere it is ~8x slower than fp32)
+    width: int = 0  # the drafter's own hidden size (0 = the target's)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -78,7 +82,13 @@ class BlockTrainConfig:
         return BlockConfig.for_target(tcfg, layers=self.draft_layers, block_size=self.block_size,
                                       feature_layers=self.feature_layers, modes=self.modes,
                                       draft_vocab=self.draft_vocab, gate=self.gate, qk_norm=self.qk_norm,
-                                      mask_token=self.mask_token)
+                                      mask_token=self.mask_token, width=self.width)
+
+    def use_bf16(self, device: torch.device) -> bool:
+        """Whether this run autocasts to bfloat16 on ``device`` (``bf16``)."""
+        if self.bf16 >= 0:
+            return bool(self.bf16)
+        return device.type == "cuda" or native_bf16(device)
 
 
 # ---------------------------------------------------------------------------- forward and loss
@@ -230,32 +240,37 @@ def batch_generator(cfg: BlockTrainConfig, epoch: int, index: int) -> torch.Gene
     return torch.Generator().manual_seed((cfg.seed * 1_000_003 + epoch) * 1_000_003 + index)
 
 
-def train_block(target, data_dir: str | Path, feat_dir: str | Path, out: str | Path, cfg: BlockTrainConfig,
+def train_block(target, data_dir, feat_dir, out: str | Path, cfg: BlockTrainConfig,
                 quiet: bool = False, log=print) -> dict:
     """Train a block drafter (K = ``cfg.modes``) for ``target`` and write ``out`` (safetensors +
-    manifest).  Re-running the same command after an interruption resumes from the last save."""
+    manifest).  ``data_dir`` / ``feat_dir``: a data folder and its feature folder, or equal-length lists
+    of them (trained on together; each folder keeps its own held-out split).  Re-running the
+    same command after an interruption resumes from the last save."""
     out = Path(out)
     dev = target.device
     tcfg = target.config
     mcfg = cfg.model_config(tcfg)
     tcfg.check_layers(cfg.feature_layers)
-    corpus, data_manifest = load_corpus(data_dir, feat_dir, cfg.feature_layers, need_final=False, shards=cfg.shards)
-    check_data_target(data_manifest, target, data_dir)
+    corpus, data_dirs, data_manifests, groups = load_training_data(target, data_dir, feat_dir, cfg.feature_layers,
+                                                                   need_final=False, shards=cfg.shards)
     n_seq = len(corpus.tokens)
     if n_seq < 2:
-        raise SpecdraftError(f"{data_dir} holds {n_seq} sequence(s); training needs at least 2 (one held out)")
+        raise SpecdraftError(f"{', '.join(map(str, data_dirs))} hold(s) {n_seq} sequence(s); training needs at least "
+                             "2 (one held out)")
     train_ids, val_ids, vocab_ids, t2d, covered = split_and_vocabulary(corpus, cfg.seed, cfg.holdout, cfg.draft_vocab,
-                                                                       target)
+                                                                       target, groups=groups)
 
     torch.manual_seed(cfg.seed)
     tm = target.model
     model = BlockModel(mcfg, tm.embed.weight.float(), tm.lm_head.weight.float(), vocab_ids.to(dev)).to(dev).train()
     n_target = sum(p.numel() for p in tm.parameters())
     name = "mfd" if cfg.modes > 1 else "block"
-    log(f"{name} drafter (K={cfg.modes}, B={cfg.block_size}, {cfg.draft_layers} layer(s)): {model.n_params():,} "
+    width = f", width {model.layer_cfg.hidden_size}" if model.layer_cfg.hidden_size != tcfg.hidden_size else ""
+    bf16 = cfg.use_bf16(dev)
+    log(f"{name} drafter (K={cfg.modes}, B={cfg.block_size}, {cfg.draft_layers} layer(s){width}): {model.n_params():,} "
         f"trainable parameters ({model.n_params() / n_target:.1%} of the target); draft vocabulary {len(vocab_ids)} "
         f"tokens covering {covered:.2%} of training response tokens; {len(train_ids)} training / {len(val_ids)} "
-        f"held-out sequences")
+        f"held-out sequences; {'bfloat16 autocast' if bf16 else 'float32'}")
     opt = adamw(model, cfg.lr, cfg.weight_decay)
     steps = schedule(corpus, train_ids, cfg)
     total = len(steps)
@@ -263,8 +278,12 @@ def train_block(target, data_dir: str | Path, feat_dir: str | Path, out: str | P
     w = depth_weights(mcfg.depth, cfg.gamma, dev)
 
     spath = state_path(out)
-    fingerprint = json.loads(json.dumps({"config": asdict(cfg), "data": data_sha256(data_manifest),
-                                         "target": target.weight_hash}))
+    fp_cfg = asdict(cfg)
+    fp_cfg["bf16"] = bf16  # what the run does, whatever the option said
+    if not fp_cfg["width"]:  # absent at its default, so runs started before the option still resume
+        del fp_cfg["width"]
+    fp_data = data_sha256(data_manifests[0]) if len(data_manifests) == 1 else [data_sha256(m) for m in data_manifests]
+    fingerprint = json.loads(json.dumps({"config": fp_cfg, "data": fp_data, "target": target.weight_hash}))
     fresh = {"step": 0, "history": [], "shares": [1.0 / cfg.modes] * cfg.modes, "wins": [0] * cfg.modes,
              "loss_sum": 0.0, "loss_n": 0}
     meta = dict(fresh)
@@ -275,7 +294,7 @@ def train_block(target, data_dir: str | Path, feat_dir: str | Path, out: str | P
     shares = torch.tensor(meta["shares"], dtype=torch.float32, device=dev)
 
     def autocast():
-        return torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.bf16)
+        return torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16)
 
     @torch.no_grad()
     def evaluate() -> dict:
@@ -344,14 +363,15 @@ def train_block(target, data_dir: str | Path, feat_dir: str | Path, out: str | P
         "drafter": name,
         "train": asdict(cfg),
         "draft_vocab_coverage": covered,
-        "data": {"dir": str(data_dir), "manifest_sha256": data_sha256(data_manifest), "shards": data_manifest["shards_used"],
-                 "sequences": n_seq, "response_tokens": data_manifest["response_tokens"]},
+        "data": data_record(data_dirs[0], data_manifests[0], groups[0]),
         "history": meta["history"],
         "steps": total,
         "params": model.n_params(),
         "target_params": n_target,
         "train_wall_s": time.perf_counter() - t_train,
     }
+    if len(data_dirs) > 1:  # "data" stays the first folder, whose held-out split a budget profile replays
+        manifest["data_more"] = [data_record(d, m, n) for d, m, n in zip(data_dirs[1:], data_manifests[1:], groups[1:])]
     save_fp16(out, model.state_dict(), manifest)
     log(f"wrote {out}")
     return manifest

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from specdraft.errors import SpecdraftError
 from specdraft.model.llama import FINAL
-from specdraft.train.data import FeatureRows, load_shard, read_features, read_manifest
+from specdraft.train.data import FeatureRows, check_data_target, load_shard, read_features, read_manifest
 
 
 @dataclass
@@ -78,6 +78,40 @@ def held_out_split(n_seq: int, seed: int, holdout: float) -> tuple[list[int], li
     n_held = min(n_seq - 1, max(1, int(n_seq * holdout))) if n_seq > 1 else 0
     perm = torch.randperm(n_seq, generator=torch.Generator().manual_seed(seed)).tolist()
     return sorted(perm[n_held:]), sorted(perm[:n_held])
+
+
+def load_training_data(target, data_dir, feat_dir, layers: tuple[int, ...], need_final: bool,
+                       shards: int = 0) -> tuple[Corpus, list, list[dict], list[int]]:
+    """What a trainer reads: a data folder and its feature folder, or equal-length lists of them, loaded as one
+    corpus (``load_corpora``), each checked to hold ``target``'s own responses and to share no prompt with
+    another (``check_apart``).  Returns (corpus, the data folders, their manifests, sequences per folder)."""
+    data_dirs = [data_dir] if isinstance(data_dir, (str, Path)) else list(data_dir)
+    feat_dirs = [feat_dir] if isinstance(feat_dir, (str, Path)) else list(feat_dir)
+    if not data_dirs or len(data_dirs) != len(feat_dirs):
+        raise SpecdraftError(f"give one feature folder per data folder (got {len(data_dirs)} data and "
+                             f"{len(feat_dirs)} feature folders)")
+    corpus, manifests, groups = load_corpora(list(zip(data_dirs, feat_dirs)), layers, need_final, shards)
+    for d, m in zip(data_dirs, manifests):
+        check_data_target(m, target, d)
+    check_apart(corpus, groups)
+    return corpus, data_dirs, manifests, groups
+
+
+def check_apart(corpus: Corpus, groups: list[int]) -> None:
+    """Refuse data folders (``groups``: sequences per folder, in order) that share a prompt (token-identical):
+    one folder's held-out sequence would be trained on in another."""
+    owner: dict[tuple, int] = {}
+    shared, start = 0, 0
+    for g, n in enumerate(groups):
+        for k in range(start, start + n):
+            key = tuple(corpus.tokens[k][: corpus.prompt_len[k]])
+            if owner.setdefault(key, g) != g:
+                shared += 1
+        start += n
+    if shared:
+        raise SpecdraftError(f"{shared} prompts occur in more than one --data folder (one folder's held-out "
+                             "sequence would be trained on in another): build the later folder with "
+                             "`data build --exclude EARLIER`")
 
 
 def split_and_vocabulary(corpus: Corpus, seed: int, holdout: float, size: int, target,

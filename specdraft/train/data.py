@@ -480,6 +480,14 @@ def data_sha256(manifest: dict) -> str:
     return manifest_sha256({k: v for k, v in manifest.items() if k not in BUILD_RECORD})
 
 
+def data_record(data_dir, manifest: dict, sequences: int) -> dict:
+    """A trained checkpoint's record of one data folder it trained on (``manifest``: the folder's, with
+    ``shards_used``; ``sequences``: how many of its sequences the run read, in order)."""
+    return {"dir": str(data_dir), "manifest_sha256": data_sha256(manifest), "shards": manifest["shards_used"],
+            "sequences": sequences,
+            "response_tokens": sum(s["response_tokens"] for s in manifest["shards"][: manifest["shards_used"]])}
+
+
 def data_hashes(manifest: dict) -> tuple[str, str]:
     """Every hash a checkpoint may have recorded for this data (``data_sha256``; the whole manifest's,
     as checkpoints made before it did)."""

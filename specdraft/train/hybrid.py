@@ -39,8 +39,9 @@ from specdraft.errors import SpecdraftError
 from specdraft.nn.checkpoint import MODELS, load_draft_model, target_identity
 from specdraft.nn.eagle3 import Eagle3Config
 from specdraft.nn.hybrid import HybridConfig, HybridModel
-from specdraft.train.corpus import AnchorBatch, Corpus, load_corpora, make_batch, plan_epoch, split_and_vocabulary, take, token_at
-from specdraft.train.data import check_data_target, data_hashes, data_sha256, manifest_sha256
+from specdraft.train.corpus import (AnchorBatch, Corpus, load_training_data, make_batch, plan_epoch,
+                                    split_and_vocabulary, take, token_at)
+from specdraft.train.data import data_hashes, data_record, data_sha256, manifest_sha256
 from specdraft.train.loop import (adamw, all_sum, barrier, current_ranks, optimizer_step, resume, save_fp16, save_state,
                                   set_lr, shard_rows, state_path)
 
@@ -258,11 +259,6 @@ class TrainStep(nn.Module):
 # ---------------------------------------------------------------------------- training
 
 
-def _data_record(data_dir, manifest: dict, sequences: int) -> dict:
-    return {"dir": str(data_dir), "manifest_sha256": data_sha256(manifest), "shards": manifest["shards_used"],
-            "sequences": sequences, "response_tokens": sum(s["response_tokens"] for s in manifest["shards"][: manifest["shards_used"]])}
-
-
 def _init_checkpoint(target, cfg: HybridTrainConfig, mcfg: HybridConfig) -> tuple[dict, dict]:
     """The state (weights and ``vocab_ids``) and manifest of ``cfg.init``, loaded as the drafter
     loader does (target, kind and tensors checked), refused unless its configuration is exactly the
@@ -299,19 +295,6 @@ def _init_fingerprint(manifest: dict) -> str:
     return manifest_sha256({k: manifest.get(k) for k in ("config", "train", "data", "data_more", "history", "train_wall_s")})
 
 
-def _shared_prompts(corpus: Corpus, groups: list[int]) -> int:
-    """Prompts (token-identical) that occur in more than one of the folders."""
-    owner: dict[tuple, int] = {}
-    shared, start = 0, 0
-    for g, n in enumerate(groups):
-        for k in range(start, start + n):
-            key = tuple(corpus.tokens[k][: corpus.prompt_len[k]])
-            if owner.setdefault(key, g) != g:
-                shared += 1
-        start += n
-    return shared
-
-
 def train_hybrid(target, data_dir, feat_dir, out: str | Path, cfg: HybridTrainConfig,
                  quiet: bool = False, log=print) -> dict:
     """Train a hybrid drafter for ``target`` and write ``out`` (safetensors + manifest).  Re-running
@@ -328,23 +311,10 @@ def train_hybrid(target, data_dir, feat_dir, out: str | Path, cfg: HybridTrainCo
     tcfg = target.config
     mcfg = cfg.model_config(tcfg)
     tcfg.check_layers(cfg.feature_layers)
-    data_dirs = [data_dir] if isinstance(data_dir, (str, Path)) else list(data_dir)
-    feat_dirs = [feat_dir] if isinstance(feat_dir, (str, Path)) else list(feat_dir)
-    if not data_dirs or len(data_dirs) != len(feat_dirs):
-        raise SpecdraftError(f"give one feature folder per data folder (got {len(data_dirs)} data and "
-                             f"{len(feat_dirs)} feature folders)")
-    corpus, data_manifests, groups = load_corpora(list(zip(data_dirs, feat_dirs)), cfg.feature_layers,
-                                                  need_final=(cfg.feature_loss > 0 and cfg.serial > 0) or cfg.distill > 0,
-                                                  shards=cfg.shards)
-    for d, m in zip(data_dirs, data_manifests):
-        check_data_target(m, target, d)
+    corpus, data_dirs, data_manifests, groups = load_training_data(
+        target, data_dir, feat_dir, cfg.feature_layers, shards=cfg.shards,
+        need_final=(cfg.feature_loss > 0 and cfg.serial > 0) or cfg.distill > 0)
     data_manifest = data_manifests[0]
-    if len(groups) > 1:
-        shared = _shared_prompts(corpus, groups)
-        if shared:
-            raise SpecdraftError(f"{shared} prompts occur in more than one --data folder (one folder's held-out "
-                                 "sequence would be trained on in another): build the later folder with "
-                                 "`data build --exclude EARLIER`")
     init_tensors, init_manifest = _init_checkpoint(target, cfg, mcfg) if cfg.init else (None, None)
     if init_manifest is not None:
         if Path(cfg.init).resolve() == out.resolve():
@@ -446,14 +416,14 @@ def train_hybrid(target, data_dir, feat_dir, out: str | Path, cfg: HybridTrainCo
         "drafter": mcfg.kind,
         "train": asdict(cfg),
         "draft_vocab_coverage": covered,
-        "data": _data_record(data_dirs[0], data_manifest, groups[0]),
+        "data": data_record(data_dirs[0], data_manifest, groups[0]),
         "history": history,
         "params": model.n_params(),
         "target_params": n_target,
         "train_wall_s": time.perf_counter() - t_train,
     }
     if len(data_dirs) > 1:  # "data" stays the first folder, whose held-out split a budget profile replays
-        manifest["data_more"] = [_data_record(d, m, n) for d, m, n in zip(data_dirs[1:], data_manifests[1:], groups[1:])]
+        manifest["data_more"] = [data_record(d, m, n) for d, m, n in zip(data_dirs[1:], data_manifests[1:], groups[1:])]
     if init_manifest is not None:
         manifest["init"] = {"path": str(cfg.init), "manifest_sha256": manifest_sha256(init_manifest),
                             "train": init_manifest.get("train"), "data": init_manifest.get("data"),

@@ -61,7 +61,7 @@ for name in "${NAMES[@]}"; do
     medusa) train medusa hybrid --serial 0 --parallel 7 --distill 1.0 --layers "$LAYERS,-1" ;;
     eagle) train eagle hybrid --serial 7 --parallel 0 --distill 1.0 --layers "$LAYERS,-1" ;;
     eagle3) train eagle3 eagle3 --epochs 4 ;;
-    block) train block block --modes 1 --block-size 5 --layers "$LAYERS" --steps 1800 ;;
+    block) train block block --modes 1 --block-size 5 --layers "$LAYERS" --steps 1800 --width 256 ;;  # as mfd
     mfd) train mfd block --modes 4 --block-size 5 --layers "$LAYERS" --steps 1800 --width 256 ;;  # the shipped shape,
               # trained on the broad mix (docs/training.md, "Narrow drafters"), not on this script's data
     dflash) train dflash block --dflash --draft-vocab 0 --layers "$LAYERS" --steps 1800 ;;

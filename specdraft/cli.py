@@ -292,8 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the drafter's own hidden size, a multiple of the target's head size and of 32 (default 0 = "
                          "the target's): its context, block rows and layers at that width, a cheaper drafting pass")
     tb.add_argument("--bf16", type=int, default=-1, choices=(-1, 0, 1),
-                    help="bfloat16 autocast for the matmuls: 1 on, 0 off, -1 (default) where the device multiplies "
-                         "bfloat16 natively (a GPU, or a CPU with native bfloat16; elsewhere it is several times slower)")
+                    help="bfloat16 autocast for the matmuls: 1 on, 0 off, -1 (default) where the device does bfloat16 "
+                         "matmuls natively (elsewhere autocast emulates them, several times slower); runs saved before "
+                         "this option autocast everywhere: resume one with --bf16 1")
     _add_trainer_args(tb, many=True)
     _add_target_args(tb)
 

@@ -354,7 +354,10 @@ def test_corrupt_mismatched_and_missing_checkpoints(tiny_chat_target, tiny_llama
 def test_narrow_drafter_trains_on_two_data_folders(tiny_chat_target, tiny_train_data, tiny_more_data, tmp_path):
     """`train block --width W` with several --data folders: each folder keeps its own held-out split (the
     first's is the one a budget profile replays), the manifest names every folder, and the narrow drafter
-    loads by path and decodes losslessly, in every precision; a folder repeated is refused."""
+    loads by path and decodes losslessly, in every precision (fp32 modules, the fast kernel, bfloat16);
+    a folder repeated is refused."""
+    from specdraft.train.corpus import held_out_split
+    from specdraft.train.data import load_sequences
     from specdraft.train.profile import held_out_sequences
 
     t, more = tiny_chat_target, tiny_more_data
@@ -365,12 +368,14 @@ def test_narrow_drafter_trains_on_two_data_folders(tiny_chat_target, tiny_train_
                        quiet=True, log=lambda *a: None)
     assert m["config"]["width"] == 32 and m["history"][-1]["train_loss"] < m["history"][0]["train_loss"]
     assert m["data"]["dir"] == str(tiny_train_data / "data") and [d["sequences"] for d in m["data_more"]] == [5]
-    alone = _train(t, tiny_train_data, tmp_path / "alone.safetensors", epochs=1)
-    assert held_out_sequences(tiny_train_data / "data", m, 32) == held_out_sequences(tiny_train_data / "data", alone, 32)
+    seqs = load_sequences(tiny_train_data / "data")
+    own = held_out_split(len(seqs), cfg.seed, cfg.holdout)[1]  # the first folder's split, as if trained alone
+    prompts, _ = held_out_sequences(tiny_train_data / "data", m, 32)
+    assert prompts == [seqs[i].tokens[: seqs[i].prompt_len] for i in own] and m["train"]["bf16"] in (0, 1)
     for p in PROMPTS:
         ids = t.encode_prompt(f"{p} (variant 0)")
         ref = generate(t, ids, NoDrafter(), GenerateConfig(max_new_tokens=32)).token_ids
-        for spec in (str(path), f"{path}@int8=0,bf16=0", f"{path}@tree=ddtree"):
+        for spec in (str(path), f"{path}@int8=0,bf16=0", f"{path}@tree=ddtree", f"{path}@int8=1", f"{path}@int8=0,bf16=1"):
             d = make_drafter(spec, t, budget=6)
             assert d.model.layer_cfg.hidden_size == 32
             assert generate(t, ids, d, GenerateConfig(max_new_tokens=32)).token_ids == ref, spec
@@ -379,13 +384,18 @@ def test_narrow_drafter_trains_on_two_data_folders(tiny_chat_target, tiny_train_
                        cfg, quiet=True, log=lambda *a: None)
 
 
-def test_bf16_autocast_only_where_native():
+def test_bf16_autocast_only_where_native(monkeypatch):
     from specdraft.model.packed import native_bf16
 
     cpu = torch.device("cpu")
     assert TB.BlockTrainConfig().use_bf16(cpu) == native_bf16(cpu)
     assert TB.BlockTrainConfig(bf16=1).use_bf16(cpu) and not TB.BlockTrainConfig(bf16=0).use_bf16(cpu)
-    assert TB.BlockTrainConfig().use_bf16(torch.device("cuda"))
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: asked.append(including_emulation) or False)
+    assert not TB.BlockTrainConfig().use_bf16(torch.device("cuda")) and asked == [False]  # an emulating GPU: float32
+    for bad in (dict(bf16=2), dict(width=-32)):
+        with pytest.raises(SpecdraftError, match="bf16 must be"):
+            TB.BlockTrainConfig(**bad)
 
 
 def test_training_resumes_to_the_same_weights(tiny_chat_target, tiny_train_data, tmp_path, monkeypatch):

@@ -23,8 +23,8 @@ DATASETS = ("gsm", "mtbench", "humaneval")
 # pooled tokens per pass over the three prompts at budgets (1, default, 32), measured on the 2-core
 # CPU with no cost curve stored (default budgets: ngram 2, phrase 6, hybrids 3, block / mfd / dflash 4),
 # 2026-12-02 to 2026-12-06; every shipped drafter's floors with its weights retrained on the fast mode's data
-# (phrase: on the broad mix's first three parts, 2026-12-07; gumiho and mfd: narrow, on its parts 1-4, 2026-12-07;
-# mfd's floors fell: the weights before were trained on these three sources, the broad mix has less of them)
+# (phrase: on the broad mix's first three parts, 2026-12-07; gumiho, mfd and block: narrow, on its parts 1-4, 2026-12-07;
+# mfd's and block's floors fell: the weights before were trained on these three sources, the broad mix has less of them)
 MEASURED = {
     "ngram": (1.163, 1.224, 1.368),
     "phrase": (1.329, 2.325, 2.906),
@@ -34,7 +34,7 @@ MEASURED = {
     "eagle": (1.431, 1.691, 2.268),
     "eagle3": (1.388, 1.603, 2.114),
     "gumiho@ngram=2": (1.476, 1.938, 2.268),
-    "block": (1.431, 1.632, 1.898),
+    "block": (1.274, 1.453, 1.755),
     "mfd": (1.224, 1.476, 1.755),
     "mfd@ngram=2": (1.500, 1.979, 2.214),
     "dflash": (1.388, 1.550, 1.898),

@@ -120,17 +120,17 @@ class BlockDrafter(TrainedDrafter):
         return depth
 
     def _block_states_module(self) -> Tensor:
-        """The block's final states [K, B, H] (row 0 = the root, rows 1 .. B-1 draft positions 1 .. D),
+        """The block's final states [K, B, W] (row 0 = the root, rows 1 .. B-1 draft positions 1 .. D),
         through the network's modules."""
         m, cfg, n = self.model, self.cfg, self.n
         dev = m.head_w.device
-        x = m.block_inputs(torch.tensor([self.root], device=dev))  # [1, K, B, H]
+        x = m.block_inputs(torch.tensor([self.root], device=dev))  # [1, K, B, W]
         pos = (n + torch.arange(cfg.block_size, device=dev)).repeat(cfg.modes)[None]  # [1, K*B]
         h = m.run_blocks(x.flatten(1, 2), pos, modes_mask(cfg.modes, cfg.block_size, n, dev), self.cache.past(n))
         return h.view(cfg.modes, cfg.block_size, -1)
 
     def _block_states(self, depth: int) -> Tensor:
-        """The block's first depth+1 final states of each mode [K, depth+1, H], each layer one call of the
+        """The block's first depth+1 final states of each mode [K, depth+1, W], each layer one call of the
         fast kernel.  The rows go in mode by mode with the ones read first (rows 0 .. depth), the rest after:
         the last layer computes only what the tree reads; the others give the keys and values the block's
         bidirectional attention needs.  The block rows' K/V land in the cache past the committed slots."""
@@ -139,7 +139,7 @@ class BlockDrafter(TrainedDrafter):
         order = [i * b + j for i in range(k) for j in range(depth + 1)] + \
                 [i * b + j for i in range(k) for j in range(depth + 1, b)]  # kept rows first
         idx = torch.tensor(order)
-        x = m.block_inputs(torch.tensor([self.root])).flatten(1, 2)[:, idx].float().contiguous()  # [1, K*B, H]
+        x = m.block_inputs(torch.tensor([self.root])).flatten(1, 2)[:, idx].float().contiguous()  # [1, K*B, W]
         rot = m.rot_rows((n + idx % b)[None])  # [1, K*B, D/2, 2]
         mask = modes_mask(k, b, n)
         if mask is not None:  # [1, K*B, n+K*B], queries and block keys in the new order

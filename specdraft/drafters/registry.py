@@ -32,7 +32,7 @@ from specdraft.nn.checkpoint import checkpoint_kind, checkpoint_manifest, fits_t
 
 WEIGHTS_DIR = Path(__file__).resolve().parents[1] / "weights"  # shipped weights: NAME_MODEL.safetensors per target
 # the folders a drafter's recipe trains on (scripts/train_drafters.sh): the fast mode's own responses and their
-# features of target layers 2, 15, 27 and the final state (phrase, gumiho and mfd ship trained on the broad mix instead:
+# features of target layers 2, 15, 27 and the final state (phrase, gumiho, mfd and block ship trained on the broad mix instead:
 # docs/training.md)
 DATA_HINT = "--data data/smollm2 --features data/smollm2_feat --precision fast"
 
@@ -92,7 +92,7 @@ REGISTRY: dict[str, DrafterSpec] = {s.name: s for s in (
                 kind="eagle3", weights="eagle3_smollm2_135m.safetensors", lookup=True, scale_with_curve=True,
                 train=f"specdraft train eagle3 {DATA_HINT} --out {{path}}"),
     _block("block", "DFlash block drafter: one pass drafts a block of 4 positions, DDTree product tree",
-           "--modes 1 --block-size 5 --layers 2,15,27 --steps 1800"),
+           "--modes 1 --block-size 5 --layers 2,15,27 --steps 1800 --width 256"),
     _block("mfd", "Multi-Future Drafting: K=4 mode embeddings draft 4 blocks in one pass, mixture tree",
            "--modes 4 --block-size 5 --layers 2,15,27 --steps 1800 --width 256"),
     _block("dflash", "DFlash exactly (q/k norm, the target's mask-token embedding, full vocabulary): a block of 7, "

@@ -4,15 +4,15 @@ Drafting (MFD, arXiv 2611.13017).
 The root x_n is the last committed token, not yet run through the target; f_i, the concatenated
 target hidden states of layers ``feature_layers`` at position i, is known for i < n.
 
-Context.  c_i = RMSNorm(W_fuse f_i) [H].  In every drafter layer l the context enters as keys and
+Context.  c_i = RMSNorm(W_fuse f_i) [W] (W = H but in a narrow drafter).  In every drafter layer l the context enters as keys and
 values only ("KV injection"): K_i = RoPE(W_k^l c_i, i), V_i = W_v^l c_i, with the layer's own K/V
 projection.  They depend on committed positions only, so the drafter caches them and extends the
 cache on commit with the features of the newly accepted tokens.
 
 Block.  Input rows at positions n .. n+B-1: [e(x_n), m, .., m] + u_k, with e the target's frozen
-embedding (through a learned projection H -> W in a narrow drafter), m a learned MASK embedding and u_k the learned embedding of mode k (K modes; K = 1 is
-the single-mode DFlash drafter, whose one u acts as a bias).  Each target-shaped decoder layer
-takes queries from the block rows only; keys/values are [context ; block], bidirectional inside
+embedding (through a learned projection H -> W in a narrow drafter), m a learned MASK embedding and
+u_k the learned embedding of mode k (K modes; K = 1 is the single-mode DFlash drafter, whose one u
+acts as a bias).  Each decoder layer (the target's layer shape, at width W) takes queries from the block rows only; keys/values are [context ; block], bidirectional inside
 the block, the context strictly before the anchor n.  Row j (1 <= j <= B-1) scores x_{n+j} through
 a final RMSNorm and the frozen target LM head restricted to a draft vocabulary (the training
 responses' most frequent tokens; only their ids are stored).  All K blocks share the context and
@@ -70,13 +70,10 @@ class BlockConfig(TargetShape):
         if self.mask_token >= self.vocab_size or (self.mask_token >= 0 and self.modes != 1):
             raise SpecdraftError(f"mask_token must be a target token id (< {self.vocab_size}) and needs a single "
                                  f"mode (got mask_token={self.mask_token}, modes={self.modes})")
-        if not 0 <= self.width <= self.hidden_size:
-            raise SpecdraftError(f"width must be in 0 .. {self.hidden_size} (0 = the target's hidden size; "
-                                 f"got {self.width})")
+        self.check_width(self.width)
         if self.width not in (0, self.hidden_size) and (self.qk_norm or self.mask_token >= 0):
             raise SpecdraftError("DFlash's shape (q/k norm, the target's mask token) is the target's width: "
                                  f"a narrower width ({self.width}) cannot be exported to it")
-        self.narrow(self.width)  # a width the layers cannot take is refused here, not at the first forward
 
     @property
     def dflash(self) -> bool:
@@ -145,7 +142,7 @@ class BlockModel(DraftModel):
         if self.inp is not None:
             e = self.inp(e)  # [..., W]
         m = self.mask_emb if cfg.mask_token < 0 else self.embed[cfg.mask_token].to(e.dtype)
-        rows = torch.cat([e[..., None, :], m.expand(*e.shape[:-1], cfg.block_size - 1, -1)], -2)  # [..., B, H]
+        rows = torch.cat([e[..., None, :], m.expand(*e.shape[:-1], cfg.block_size - 1, -1)], -2)  # [..., B, W]
         if cfg.mask_token >= 0:
             return rows[..., None, :, :]  # [..., 1, B, H]
         return rows[..., None, :, :] + self.mode_emb[:, None, :]  # [..., K, B, W]

@@ -44,10 +44,7 @@ class HybridConfig(TargetShape):
                                  f"(got {self.serial}, {self.parallel})")
         if self.serial_layers < 1 or self.head_blocks < 0 or not self.feature_layers:
             raise SpecdraftError("serial layers must be >= 1, head blocks >= 0, and at least one feature layer")
-        if not 0 <= self.width <= self.hidden_size:
-            raise SpecdraftError(f"width must be in 0 .. {self.hidden_size} (0 = the target's hidden size; "
-                                 f"got {self.width})")
-        self.narrow(self.width)  # a width the layers cannot take is refused here, not at the first forward
+        self.check_width(self.width)
 
     @property
     def depth(self) -> int:

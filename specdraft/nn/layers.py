@@ -44,6 +44,13 @@ class TargetShape:
                    num_kv_heads=tcfg.num_kv_heads, head_dim=tcfg.head_dim, intermediate_size=tcfg.intermediate_size,
                    rms_eps=tcfg.rms_eps, rope_theta=tcfg.rope_theta, **kw)
 
+    def check_width(self, width: int) -> None:
+        """Refuse a drafter width (``width`` fields: 0 = the target's) outside 0 .. H or one the layers cannot take
+        (``narrow``): at config time, not at the first forward."""
+        if not 0 <= width <= self.hidden_size:
+            raise SpecdraftError(f"width must be in 0 .. {self.hidden_size} (0 = the target's hidden size; got {width})")
+        self.narrow(width)
+
     def narrow(self, width: int) -> "TargetShape":
         """The target's layer shape at another width W (0 or H: this shape): as many heads of the target's
         head size as fit, its share of key/value heads (at least one, dividing the heads), the SwiGLU

@@ -71,12 +71,16 @@ class BlockTrainConfig:
     shards: int = 0  # use the first N data shards only (0 = all)
     save_every: int = 100  # steps between resume-state saves inside an epoch
     bf16: int = -1  # bfloat16 autocast for the matmuls (fp32 weights, optimizer and loss): 1 on, 0 off, -1 where the
-    # device multiplies bfloat16 natively (a GPU, or a CPU with native bfloat16: elsewhere it is ~8x slower than fp32)
+    # device does bfloat16 matmuls natively (a GPU that does, or a CPU whose oneDNN says so); elsewhere autocast
+    # emulates them (an mfd step ~8x a float32 one on an AVX2 CPU).  Runs saved before this option autocast
+    # everywhere: resume one with bf16=1
     width: int = 0  # the drafter's own hidden size (0 = the target's)
     seed: int = 0
 
     def __post_init__(self) -> None:
         self.feature_layers = tuple(int(x) for x in self.feature_layers)
+        if self.bf16 not in (-1, 0, 1) or self.width < 0:
+            raise SpecdraftError(f"bf16 must be -1, 0 or 1 and width >= 0 (got {self.bf16}, {self.width})")
 
     def model_config(self, tcfg) -> BlockConfig:
         return BlockConfig.for_target(tcfg, layers=self.draft_layers, block_size=self.block_size,
@@ -88,14 +92,16 @@ class BlockTrainConfig:
         """Whether this run autocasts to bfloat16 on ``device`` (``bf16``)."""
         if self.bf16 >= 0:
             return bool(self.bf16)
-        return device.type == "cuda" or native_bf16(device)
+        if device.type == "cuda":
+            return torch.cuda.is_bf16_supported(including_emulation=False)
+        return native_bf16(device)
 
 
 # ---------------------------------------------------------------------------- forward and loss
 
 
 def block_states(model: BlockModel, batch: AnchorBatch) -> Tensor:
-    """Final-normed drafter states of every anchor's blocks in one pass: [Bs, A, K, B, H], row 0
+    """Final-normed drafter states of every anchor's blocks in one pass: [Bs, A, K, B, W], row 0
     the root (the mode gate reads it), row j scoring x_{a+j}.  ``batch.anchors`` holds a-1 (the position of the last context feature, as in
     ``specdraft.train.hybrid``), so the root x_a is ``token_at(batch, 1)``."""
     cfg = model.cfg
@@ -104,10 +110,10 @@ def block_states(model: BlockModel, batch: AnchorBatch) -> Tensor:
     bs, a = root_pos.shape
     dev = root_pos.device
     t = max(1, int(root_pos.max()))  # context keys at or after the last root are never visible
-    c = model.context(batch.feats[:, :t])  # [Bs, t, H]
+    c = model.context(batch.feats[:, :t])  # [Bs, t, W]
     ctx = model.context_kv(c, torch.arange(t, device=dev)[None].expand(bs, -1))
     root, _ = token_at(batch, 1)
-    x = model.block_inputs(root)  # [Bs, A, K, B, H]
+    x = model.block_inputs(root)  # [Bs, A, K, B, W]
     pos = (root_pos[:, :, None, None] + torch.arange(bb, device=dev)).expand(bs, a, kk, bb)
     q = a * kk * bb
     sees = torch.arange(t, device=dev) < root_pos[:, :, None, None, None]  # [Bs, A, 1, 1, t]
@@ -131,13 +137,13 @@ class BlockOut:
 def forward_blocks(model: BlockModel, batch: AnchorBatch, t2d: Tensor) -> BlockOut:
     """Logits and per-depth cross-entropy of every labelled block of ``batch``."""
     hb = block_states(model, batch)
-    h, h_root = hb[..., 1:, :], hb[..., 0, :]  # [Bs, A, K, D, H], [Bs, A, K, H]
+    h, h_root = hb[..., 1:, :], hb[..., 0, :]  # [Bs, A, K, D, W], [Bs, A, K, W]
     d = model.cfg.depth
     labs, oks = zip(*(token_at(batch, 1 + j) for j in range(1, d + 1)))
     lab = t2d[torch.stack(labs, -1)]  # [Bs, A, D]
     ok = torch.stack(oks, -1) & (lab >= 0)
     keep = batch.anchor_ok & ok.any(-1)
-    h, lab, ok, h_root = h[keep], lab[keep], ok[keep], h_root[keep]  # [N, K, D, H], [N, D], [N, D], [N, K, H]
+    h, lab, ok, h_root = h[keep], lab[keep], ok[keep], h_root[keep]  # [N, K, D, W], [N, D], [N, D], [N, K, W]
     logits = model.logits(h).float()
     n, k = logits.shape[:2]
     tgt = lab.clamp(min=0)[:, None].expand(n, k, d)
@@ -361,7 +367,7 @@ def train_block(target, data_dir, feat_dir, out: str | Path, cfg: BlockTrainConf
         **target_identity(target),
         "config": asdict(mcfg),
         "drafter": name,
-        "train": asdict(cfg),
+        "train": {**asdict(cfg), "bf16": int(bf16)},  # what the run did, whatever the option said
         "draft_vocab_coverage": covered,
         "data": data_record(data_dirs[0], data_manifests[0], groups[0]),
         "history": meta["history"],

@@ -29,13 +29,6 @@ class Corpus:
     final: FeatureRows | None  # [rows, H] fp16 final features (regression targets) or None
 
 
-def load_corpus(data_dir: str | Path, feat_dir: str | Path, layers: tuple[int, ...], need_final: bool,
-                shards: int = 0) -> tuple[Corpus, dict]:
-    """Sequences and cached features of the first ``shards`` data shards (0 = all)."""
-    corpus, manifests, _ = load_corpora([(data_dir, feat_dir)], layers, need_final, shards)
-    return corpus, manifests[0]
-
-
 def load_corpora(folders: list[tuple[str | Path, str | Path]], layers: tuple[int, ...], need_final: bool,
                  shards: int = 0) -> tuple[Corpus, list[dict], list[int]]:
     """One corpus from several (data folder, feature folder) pairs, in order, each cut to its first

@@ -39,7 +39,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.nn.checkpoint import MODELS, load_draft_model, target_identity
 from specdraft.nn.eagle3 import Eagle3Config
 from specdraft.nn.hybrid import HybridConfig, HybridModel
-from specdraft.train.corpus import (AnchorBatch, Corpus, load_training_data, make_batch, plan_epoch,
+from specdraft.train.corpus import (AnchorBatch, load_training_data, make_batch, plan_epoch,
                                     split_and_vocabulary, take, token_at)
 from specdraft.train.data import data_hashes, data_record, data_sha256, manifest_sha256
 from specdraft.train.loop import (adamw, all_sum, barrier, current_ranks, optimizer_step, resume, save_fp16, save_state,

@@ -152,6 +152,36 @@ def test_logp_topk_on_every_path():
     op.fast_set_isa(-1)
 
 
+def test_q8_rows_equal_gguf_py_on_every_path():
+    """The embedding lookup in C++ (``fast_rows_q8``, what a fast-mode ``BlockTable`` of Q8_0 blocks reads a pass's
+    rows with): gguf-py's values bit for bit (subnormal, zero and negative scales among them) on every
+    implementation, the table's own numpy lookup alike, and an id outside the table one IndexError."""
+    op = torch.ops.specdraft_quant
+    raw = _random_raw("Q8_0", 50, 96, seed=5)
+    scales = raw.data.reshape(50, 3, 34)[..., :2]
+    scales[3, 1] = np.frombuffer(np.float16(3e-7).tobytes(), np.uint8)  # a subnormal fp16 scale
+    scales[4, 0] = np.frombuffer(np.float16(-0.0).tobytes(), np.uint8)
+    scales[5, 2] = np.frombuffer(np.float16(-1.5).tobytes(), np.uint8)
+    ref = np.asarray(dequantize(raw.data, GGMLQuantizationType.Q8_0), dtype=np.float32).reshape(50, 96)
+    ids = torch.tensor([3, 4, 5, 0, 49, 3])
+    for which in range(op.fast_best_isa() + 1):
+        op.fast_set_isa(which)
+        rows = op.fast_rows_q8(torch.from_numpy(raw.data), ids)
+        assert rows.shape == (6, 96) and rows.dtype == torch.float32
+        assert np.array_equal(rows.numpy().view(np.uint32), ref[ids.numpy()].view(np.uint32))  # -0.0 kept
+        for bad in ([50], [-1]):
+            with pytest.raises(IndexError, match="out of range"):
+                op.fast_rows_q8(torch.from_numpy(raw.data), torch.tensor(bad))
+    op.fast_set_isa(-1)
+    from specdraft.model.llama import BlockTable
+
+    table = BlockTable(raw, torch.device("cpu"))
+    kernel = table(ids[None])
+    table._q8 = False  # numpy's lookup
+    assert kernel.shape == (1, 6, 96) and torch.equal(kernel, table(ids[None]))
+    assert torch.equal(table[5], kernel[0, 2])
+
+
 def test_the_isa_in_use_is_reported():
     assert fast.isa() in fast.ISAS
     assert fast.ISAS.index(fast.isa()) == torch.ops.specdraft_quant.fast_best_isa()

@@ -224,3 +224,20 @@ def test_shipped_weights_and_calibration_are_picked_per_target(default_target, t
     assert d.manifest["target_hash"] == tiny_chat_target.weight_hash and d.calibration.ys == [0.3, 0.7]
     del cals[key]  # no entry for this model: raw probabilities, never another model's map
     assert C.calibration_for("phrase", tiny_chat_target).xs == []
+
+
+def test_the_heads_top_entries_on_the_kernel_equal_torchs(default_target):
+    """On the fast kernel the head's top entries come from its log-softmax top-k: the same entries in the same
+    order as torch's softmax top-k, their probabilities to float rounding."""
+    d = make_drafter("phrase", default_target)
+    assert d.fast == (default_target.precision == "fast")
+    ids = default_target.encode_prompt("Write a haiku about the sea.")
+    generate(default_target, ids, d, GenerateConfig(max_new_tokens=12))  # a state (h, root) mid-generation
+    got = d.phrase_candidates(16)
+    d.fast = False
+    try:
+        ref = d.phrase_candidates(16)
+    finally:
+        d.fast = default_target.precision == "fast"
+    assert got[0] == ref[0] and len(got[0]) == 16
+    assert got[1] == pytest.approx(ref[1], abs=1e-6, rel=1e-5)

@@ -50,7 +50,7 @@ class PhraseDrafter:
     default_budget = 6  # drafted nodes per tree without a cost curve (the registry sets the machine's)
 
     def __init__(self, head: PhraseHead, vocab: PhraseVocab, embed, options: PhraseOptions | None = None,
-                 manifest: dict | None = None, calibration: Calibration | None = None) -> None:
+                 manifest: dict | None = None, calibration: Calibration | None = None, fast: bool = False) -> None:
         self.cfg = options or PhraseOptions()
         self.head = head.eval()
         self.vocab = vocab
@@ -60,6 +60,7 @@ class PhraseDrafter:
         self.h: torch.Tensor | None = None
         self.root = -1
         self.calibration = calibration  # raw node score -> probability of acceptance; None: trees carry no probs
+        self.fast = fast  # the head's matmuls on the fast kernel: its top-k there too
 
     # ------------------------------------------------------------------ drafter protocol
     def reset(self, prompt_ids: list[int], first_token: int, prefill: ForwardOutput) -> None:
@@ -84,9 +85,13 @@ class PhraseDrafter:
     @torch.inference_mode()
     def phrase_candidates(self, n: int) -> tuple[list[list[int]], list[float]]:
         """The ``n`` most likely entries' expansions and their probabilities under the head."""
-        logits = self.head(self.h.float()[None], self.embed[self.root].float()[None])[0]
-        top = torch.softmax(logits.float(), -1).topk(min(n, logits.shape[-1]))
-        return [self.vocab.expansions[k] for k in top.indices.tolist()], top.values.tolist()
+        logits = self.head(self.h.float()[None], self.embed[self.root].float()[None]).float()  # [1, entries]
+        k = min(n, logits.shape[-1])
+        if self.fast:  # one kernel call, no entries-wide softmax
+            lp, idx = torch.ops.specdraft_quant.fast_logp_topk(logits, k)
+            return [self.vocab.expansions[i] for i in idx[0].tolist()], lp[0].exp().tolist()
+        top = torch.softmax(logits[0], -1).topk(k)
+        return [self.vocab.expansions[i] for i in top.indices.tolist()], top.values.tolist()
 
     def propose(self, budget: int) -> Tree:
         if budget <= 0:
@@ -121,9 +126,10 @@ def load_phrase(target, ckpt: DraftCheckpoint, options: PhraseOptions, name: str
     the fast precision mode its matmuls run on the fast kernel too (Q8_0 weights; lossless either way,
     the target verifies)."""
     model = ckpt.model
-    if target.precision == "fast" and kernel_available():
+    fast = target.precision == "fast" and kernel_available()
+    if fast:
         quantize_linears(model)
     embed = target.model.embed
     rows = embed if isinstance(embed, BlockTable) else embed.weight.detach()  # a row at a time: no fp32 table
     cal = calibration_for("phrase", target) if name else Calibration()  # a checkpoint path: its raw probabilities
-    return PhraseDrafter(model, ckpt.vocab, rows, options, ckpt.manifest, cal)
+    return PhraseDrafter(model, ckpt.vocab, rows, options, ckpt.manifest, cal, fast)

@@ -1237,6 +1237,35 @@ std::tuple<at::Tensor, at::Tensor> logp_topk(const at::Tensor& logits, int64_t k
   return {val, ind};
 }
 
+// Rows ids [n] of a Q8_0 table as GGUF stores it (data [rows, K/32 * 34] bytes: per block an fp16 scale, then
+// 32 int8 codes): [n, K] fp32, each value code * scale in fp32 (one rounding: gguf-py's dequantizer's values).
+// An embedding lookup of a pass, without dequantizing the table.
+at::Tensor rows_q8(const at::Tensor& data, const at::Tensor& ids) {
+  TORCH_CHECK(data.is_cpu() && data.dim() == 2 && data.scalar_type() == at::kByte && data.is_contiguous() &&
+                  data.size(1) % 34 == 0, "fast rows_q8: data [rows, K/32 * 34] uint8, contiguous");
+  TORCH_CHECK(ids.is_cpu() && ids.scalar_type() == at::kLong, "fast rows_q8: ids int64 on the CPU");
+  at::Tensor ic = ids.contiguous();
+  const int64_t n = ic.numel(), R = data.size(0), NB = data.size(1) / 34;
+  const int64_t* ip = ic.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK_INDEX(ip[i] >= 0 && ip[i] < R, "token id ", ip[i], " out of range [0, ", R, ")");
+  at::Tensor out = at::empty({n, NB * 32}, data.options().dtype(at::kFloat));
+  const uint8_t* base = data.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t* row = base + ip[i] * NB * 34;
+    for (int64_t b = 0; b < NB; ++b) {
+      uint16_t hs;
+      std::memcpy(&hs, row + 34 * b, 2);
+      const float d = h2f(hs);
+      const int8_t* q = (const int8_t*)(row + 34 * b + 2);
+      float* o = op + i * NB * 32 + 32 * b;
+      for (int j = 0; j < 32; ++j) o[j] = (float)q[j] * d;
+    }
+  }
+  return out;
+}
+
 }  // namespace FAST_NS
 // FAST-BODY end
 
@@ -1280,6 +1309,7 @@ at::Tensor block(const at::Tensor& x, at::TensorList qkv, at::IntArrayRef qkv_me
                        start, eps, hq, hkv, D, qk_norm, out_rows, post_attn, post_mlp, gelu, attn_scale);
 }
 std::tuple<at::Tensor, at::Tensor> logp_topk(const at::Tensor& logits, int64_t k) { return FAST_DISPATCH(logp_topk, logits, k); }
+at::Tensor rows_q8(const at::Tensor& data, const at::Tensor& ids) { return FAST_DISPATCH(rows_q8, data, ids); }
 void set_isa(int64_t which) {
   TORCH_CHECK(which >= -1 && which <= best_isa(), "fast_set_isa: -1 (the best) or 0 .. ", best_isa(), " on this CPU");
   g_isa = which;
@@ -1300,6 +1330,7 @@ TORCH_LIBRARY_FRAGMENT(specdraft_quant, lib) {
           "Tensor? post_attn=None, Tensor? post_mlp=None, bool gelu=False, float scale=0.0) -> Tensor",
           &fastk::block);
   lib.def("fast_logp_topk(Tensor logits, int k) -> (Tensor, Tensor)", &fastk::logp_topk);
+  lib.def("fast_rows_q8(Tensor data, Tensor ids) -> Tensor", &fastk::rows_q8);
   lib.def("fast_set_isa(int which) -> ()", &fastk::set_isa);
   lib.def("fast_set_portable(bool on) -> ()", &fastk::set_portable);
   lib.def("fast_isa() -> int", &fastk::current_isa);

@@ -152,6 +152,27 @@ def test_logp_topk_on_every_path():
     op.fast_set_isa(-1)
 
 
+def test_linear_topk_equals_its_steps_on_every_path():
+    """A drafter's head and top-k in one call (``fast_linear_topk``) gives the bits of its steps one by one:
+    ``fast_linear`` (``fast_head`` with a norm) then ``fast_logp_topk``, on every implementation."""
+    op = torch.ops.specdraft_quant
+    fw = fast.FastWeight.from_raw(_random_raw("Q8_0", 300, 128, seed=3))
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(4)) * 3
+    norm = torch.rand(128, generator=torch.Generator().manual_seed(5)) + 0.5
+    for which in range(op.fast_best_isa() + 1):
+        op.fast_set_isa(which)
+        for k in (1, 8, 300):
+            lp, idx = op.fast_linear_topk(x, None, 0.0, *fw.args(), k)
+            ref = op.fast_logp_topk(fw(x), k)
+            assert torch.equal(lp, ref[0]) and torch.equal(idx, ref[1])
+            lp, idx = op.fast_linear_topk(x, norm, 1e-5, *fw.args(), k)
+            ref = op.fast_logp_topk(op.fast_head(x, norm, 1e-5, *fw.args(), True)[1], k)
+            assert torch.equal(lp, ref[0]) and torch.equal(idx, ref[1])
+        with pytest.raises(RuntimeError, match="1 <= k"):
+            op.fast_linear_topk(x, None, 0.0, *fw.args(), 301)
+    op.fast_set_isa(-1)
+
+
 def test_q8_rows_equal_gguf_py_on_every_path():
     """The embedding lookup in C++ (``fast_rows_q8``, what a fast-mode ``BlockTable`` of Q8_0 blocks reads a pass's
     rows with): gguf-py's values bit for bit (subnormal, zero and negative scales among them) on every

@@ -212,6 +212,25 @@ def test_each_feature_layer_is_normalised_before_fusing(tiny_llama):
         torch.testing.assert_close(model.feature(f), model.fuse(one_by_one), rtol=1e-6, atol=1e-6)
 
 
+def test_folding_the_feature_norms_keeps_the_fused_feature(tiny_llama):
+    """For inference (``prepack``) each feature layer's norm weight goes into the fusing projection's columns and
+    the norms become one op: the same fused feature to float rounding, folded once however often asked."""
+    _, target, _ = tiny_llama
+    model = _random_model(target, 1, 1, vocab=48, layers=(1, 2, FINAL))
+    h = target.config.hidden_size
+    f = torch.randn(4, 3 * h, generator=torch.Generator().manual_seed(2)) * torch.tensor([30.0] * h + [1.0] * 2 * h)
+    with torch.no_grad():
+        for nm in model.feat_norms:
+            nm.weight.normal_(1.0, 0.5)
+        before = model.feature(f)
+        model.fold_feature_norms()
+        model.fold_feature_norms()
+        assert model._norms_folded and all(bool((nm.weight == 1).all()) for nm in model.feat_norms)
+        torch.testing.assert_close(model.feature(f), before, rtol=1e-5, atol=1e-5)
+    folded = _random_model(target, 1, 1, vocab=48, layers=(1, 2, FINAL))
+    assert folded.prepack() in (True, False) and folded._norms_folded  # whatever the CPU prepacks to
+
+
 def test_serial_unroll_adds_the_longer_serial_parts_states_only(tiny_llama):
     """Training with --serial-unroll U: the S+M drafter states are unchanged and the extra states are
     exactly those of a U-step serial part with the same weights (EAGLE-style, no heads)."""

@@ -1177,15 +1177,7 @@ static inline bool any_above16(const float* x, float t) {  // whether any of x[0
 // first), as log-probabilities x_i - (max + log sum_j exp(x_j - max)); the sum in 16 lanes by index, then
 // reduce16.  (values [M, k], indices [M, k] int64.)  For drafters, which need a few candidates per row and
 // never the whole distribution: one pass over the row, no V-sized temporaries.
-std::tuple<at::Tensor, at::Tensor> logp_topk(const at::Tensor& logits, int64_t k) {
-  TORCH_CHECK(logits.is_cpu() && logits.dim() == 2 && logits.scalar_type() == at::kFloat, "fast logp_topk: logits [M, V] fp32");
-  at::Tensor lc = logits.contiguous();
-  const int64_t M = lc.size(0), V = lc.size(1);
-  TORCH_CHECK(k >= 1 && k <= V, "fast logp_topk: 1 <= k <= V");
-  at::Tensor val = at::empty({M, k}, lc.options()), ind = at::empty({M, k}, lc.options().dtype(at::kLong));
-  const float* lp = lc.data_ptr<float>();
-  float* vp = val.data_ptr<float>();
-  int64_t* ip = ind.data_ptr<int64_t>();
+static void topk_rows(const float* lp, int64_t M, int64_t V, int64_t k, float* vp, int64_t* ip) {
   at::parallel_for(0, M, 1, [&](int64_t s, int64_t e) {
     std::vector<float> tv(k);
     std::vector<int64_t> ti(k);
@@ -1234,6 +1226,43 @@ std::tuple<at::Tensor, at::Tensor> logp_topk(const at::Tensor& logits, int64_t k
       }
     }
   });
+}
+
+std::tuple<at::Tensor, at::Tensor> logp_topk(const at::Tensor& logits, int64_t k) {
+  TORCH_CHECK(logits.is_cpu() && logits.dim() == 2 && logits.scalar_type() == at::kFloat, "fast logp_topk: logits [M, V] fp32");
+  at::Tensor lc = logits.contiguous();
+  const int64_t M = lc.size(0), V = lc.size(1);
+  TORCH_CHECK(k >= 1 && k <= V, "fast logp_topk: 1 <= k <= V");
+  at::Tensor val = at::empty({M, k}, lc.options()), ind = at::empty({M, k}, lc.options().dtype(at::kLong));
+  topk_rows(lc.data_ptr<float>(), M, V, k, val.data_ptr<float>(), ind.data_ptr<int64_t>());
+  return {val, ind};
+}
+
+// A drafter's scores and their top-k in one call: rows x [M, K] (RMS-normed first with norm_w [K] where given,
+// as ``head`` does), times the head's weight rows [V', K], then ``logp_topk`` of each row: (values [M, k],
+// indices [M, k]), the same bits as those three steps one by one, without the [M, V'] scores leaving C++.
+std::tuple<at::Tensor, at::Tensor> linear_topk(const at::Tensor& x, const std::optional<at::Tensor>& norm_w, double eps,
+                                               at::TensorList w_t, at::IntArrayRef w_meta, int64_t k) {
+  TORCH_CHECK(x.is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat, "fast linear_topk: x [M, K] fp32 on the CPU");
+  at::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1);
+  const float* src = xc.data_ptr<float>();
+  at::Tensor normed;
+  if (norm_w.has_value() && norm_w->defined()) {
+    TORCH_CHECK(norm_w->is_cpu() && norm_w->scalar_type() == at::kFloat && norm_w->numel() == K,
+                "fast linear_topk: norm_w [K] fp32");
+    normed = at::empty_like(xc);
+    rms_rows(src, M, K, eps, norm_w->contiguous().data_ptr<float>(), normed.data_ptr<float>());
+    src = normed.data_ptr<float>();
+  }
+  const WSet w = weights(w_t, w_meta, K);
+  TORCH_CHECK(k >= 1 && k <= w.N, "fast linear_topk: 1 <= k <= the weight's rows");
+  QRows qx;
+  quantize_rows(src, M, K, qx);
+  std::vector<float> y(M * w.N);
+  linear_q(qx, M, w, y.data(), w.N);
+  at::Tensor val = at::empty({M, k}, xc.options()), ind = at::empty({M, k}, xc.options().dtype(at::kLong));
+  topk_rows(y.data(), M, w.N, k, val.data_ptr<float>(), ind.data_ptr<int64_t>());
   return {val, ind};
 }
 
@@ -1309,6 +1338,10 @@ at::Tensor block(const at::Tensor& x, at::TensorList qkv, at::IntArrayRef qkv_me
                        start, eps, hq, hkv, D, qk_norm, out_rows, post_attn, post_mlp, gelu, attn_scale);
 }
 std::tuple<at::Tensor, at::Tensor> logp_topk(const at::Tensor& logits, int64_t k) { return FAST_DISPATCH(logp_topk, logits, k); }
+std::tuple<at::Tensor, at::Tensor> linear_topk(const at::Tensor& x, const std::optional<at::Tensor>& norm_w, double eps,
+                                               at::TensorList w, at::IntArrayRef meta, int64_t k) {
+  return FAST_DISPATCH(linear_topk, x, norm_w, eps, w, meta, k);
+}
 at::Tensor rows_q8(const at::Tensor& data, const at::Tensor& ids) { return FAST_DISPATCH(rows_q8, data, ids); }
 void set_isa(int64_t which) {
   TORCH_CHECK(which >= -1 && which <= best_isa(), "fast_set_isa: -1 (the best) or 0 .. ", best_isa(), " on this CPU");
@@ -1330,6 +1363,8 @@ TORCH_LIBRARY_FRAGMENT(specdraft_quant, lib) {
           "Tensor? post_attn=None, Tensor? post_mlp=None, bool gelu=False, float scale=0.0) -> Tensor",
           &fastk::block);
   lib.def("fast_logp_topk(Tensor logits, int k) -> (Tensor, Tensor)", &fastk::logp_topk);
+  lib.def("fast_linear_topk(Tensor x, Tensor? norm_w, float eps, Tensor[] w, int[] meta, int k) -> (Tensor, Tensor)",
+          &fastk::linear_topk);
   lib.def("fast_rows_q8(Tensor data, Tensor ids) -> Tensor", &fastk::rows_q8);
   lib.def("fast_set_isa(int which) -> ()", &fastk::set_isa);
   lib.def("fast_set_portable(bool on) -> ()", &fastk::set_portable);

@@ -115,6 +115,9 @@ class Eagle3Model(DraftModel):
         """[..., H] pre-norm states -> [..., V'] scores over the draft vocabulary: lm_head(norm(h))."""
         return super().logits(self.norm(h))
 
+    def head_norm(self) -> RMSNorm:
+        return self.norm
+
     def teacher_logits(self, f: Tensor) -> Tensor:
         """The target's own scores over the draft vocabulary from its final (normed) feature f [..., H]."""
         return nn.functional.linear(f, self.target_rows)

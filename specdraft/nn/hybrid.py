@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdraft.errors import SpecdraftError
@@ -74,6 +75,25 @@ class HybridModel(DraftModel):
             self.layers = nn.ModuleList(DraftLayer(self.layer_cfg) for _ in range(cfg.serial_layers))
         self.heads = nn.ModuleList(MLPHead(max(cfg.serial, 1) * w + h, w, cfg.head_blocks)
                                    for _ in range(cfg.parallel))
+        self._norms_folded = False  # the feature norms' weights folded into ``fuse`` (fold_feature_norms)
+
+    def prepack(self, int8: bool = False, fused: bool = True, kind: str = "Q8_0") -> bool:
+        """``DraftModel.prepack``, the feature norms' weights folded into the fusing projection first."""
+        self.fold_feature_norms()
+        return super().prepack(int8, fused, kind)
+
+    @torch.no_grad()
+    def fold_feature_norms(self) -> None:
+        """For inference: fuse(norm_i(f_i) w_i) = (fuse diag(w)) norm_i(f_i), so each feature layer's RMSNorm weight
+        w_i goes into the projection's columns once (in fp32, then the weight's dtype) and a step's norms are one
+        op without weights.  Training reads the norms as they are (never called there)."""
+        if self.feat_norms is None or self._norms_folded:
+            return
+        scale = torch.cat([norm.weight.float() for norm in self.feat_norms])  # [n H], in the projection's column order
+        self.fuse.weight.copy_((self.fuse.weight.float() * scale).to(self.fuse.weight.dtype))
+        for norm in self.feat_norms:
+            norm.weight.fill_(1.0)
+        self._norms_folded = True
 
     def feature(self, f: Tensor) -> Tensor:
         """[..., n_layers * H] target features -> [..., W]."""
@@ -83,6 +103,8 @@ class HybridModel(DraftModel):
             return self.fuse(f)
         # each layer's RMSNorm (``feat_norms``), all layers in one set of ops: [..., n, H] normed over H
         x = f.unflatten(-1, (len(self.feat_norms), self.cfg.hidden_size))
+        if self._norms_folded:  # the norms' weights are in the projection's columns: one op for the norms
+            return self.fuse(F.rms_norm(x.float(), (self.cfg.hidden_size,), eps=self.cfg.rms_eps).to(f.dtype).flatten(-2))
         y = x.float()
         y = (y * torch.rsqrt(y.square().mean(-1, keepdim=True) + self.cfg.rms_eps)).to(f.dtype)
         scale = torch.stack([norm.weight for norm in self.feat_norms])  # [n, H]

@@ -321,10 +321,23 @@ class DraftModel(nn.Module):
         y = F.linear(h2, self.head_w) if self._head is None else self._head(h2).to(h2.dtype)
         return y.view(*h.shape[:-1], -1)
 
+    def head_norm(self) -> RMSNorm | None:
+        """The norm ``logits`` applies before the head rows (None: none; EAGLE-3's network has one)."""
+        return None
+
     def top_logp(self, h: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """The k most likely draft tokens of each row of h [..., W], descending: (target ids LongTensor
-        [..., k], log-probabilities fp32 [..., k]); on the fast kernel without the V'-wide log-softmax."""
-        return self.top_of_logits(self.logits(h), k)
+        [..., k], log-probabilities fp32 [..., k]); on the fast kernel one C++ call (norm, head rows and top-k:
+        ``fast_linear_topk``), without the V'-wide scores or log-softmax."""
+        if not (self.fast and self.lift is None and isinstance(self._head, FastWeight)):
+            return self.top_of_logits(self.logits(h), k)
+        k = min(k, self.head_w.shape[0])
+        norm = self.head_norm()
+        nw, eps = (None, 0.0) if norm is None else (_f32(norm.weight), norm.eps)
+        lp, idx = torch.ops.specdraft_quant.fast_linear_topk(h.reshape(-1, h.shape[-1]).float(), nw, eps,
+                                                             *self._head.args(), k)
+        shape = (*h.shape[:-1], k)
+        return self.vocab_ids[idx].view(shape), lp.view(shape)
 
     def top_of_logits(self, logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """``top_logp`` from scores already computed, logits [..., V'] (k capped at V')."""

@@ -173,6 +173,43 @@ def test_linear_topk_equals_its_steps_on_every_path():
     op.fast_set_isa(-1)
 
 
+def test_mlp_topk_equals_its_layers_on_every_path():
+    """The phrase head in one call (``fast_mlp_topk``): one layer gives the bits of ``fast_linear`` + bias then
+    ``fast_logp_topk``; three layers with SiLU between them the module's values to float rounding, the same
+    entries; the same bits on every implementation."""
+    op = torch.ops.specdraft_quant
+    gen = torch.Generator().manual_seed(6)
+    shapes = [(64, 96), (64, 64), (200, 64)]  # (rows, inputs) per layer
+    ws = [fast.FastWeight.from_dense(torch.randn(n, k, generator=gen) * 0.2, "Q8_0") for n, k in shapes]
+    bs = [torch.randn(n, generator=gen) * 0.1 for n, _ in shapes]
+    x = torch.randn(3, 96, generator=gen)
+    flat = [t for w in ws for t in w.args()[0]]
+    meta = [m for w in ws for m in w.args()[1]]
+    h = x
+    for i, (w, b) in enumerate(zip(ws, bs)):
+        h = w(h) + b
+        if i < 2:
+            h = torch.nn.functional.silu(h)
+    ref_lp, ref_idx = torch.log_softmax(h, -1).topk(7, -1)
+    results = []
+    for which in range(op.fast_best_isa() + 1):
+        op.fast_set_isa(which)
+        one = op.fast_mlp_topk(x, flat[:4], meta[:2], bs[:1], 5)
+        step = op.fast_logp_topk(ws[0](x) + bs[0], 5)
+        assert torch.equal(one[0], step[0]) and torch.equal(one[1], step[1])
+        lp, idx = op.fast_mlp_topk(x, flat, meta, bs, 7)
+        assert torch.equal(idx, ref_idx)
+        torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=1e-5)
+        results.append((lp, idx))
+        no_bias = op.fast_mlp_topk(x, flat[:4], meta[:2], [torch.empty(0)], 5)
+        assert torch.equal(no_bias[0], op.fast_logp_topk(ws[0](x), 5)[0])
+        with pytest.raises(RuntimeError, match="per layer"):
+            op.fast_mlp_topk(x, flat, meta, bs[:2], 7)
+    for lp, idx in results[1:]:
+        assert torch.equal(lp, results[0][0]) and torch.equal(idx, results[0][1])
+    op.fast_set_isa(-1)
+
+
 def test_q8_rows_equal_gguf_py_on_every_path():
     """The embedding lookup in C++ (``fast_rows_q8``, what a fast-mode ``BlockTable`` of Q8_0 blocks reads a pass's
     rows with): gguf-py's values bit for bit (subnormal, zero and negative scales among them) on every

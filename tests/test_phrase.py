@@ -227,8 +227,9 @@ def test_shipped_weights_and_calibration_are_picked_per_target(default_target, t
 
 
 def test_the_heads_top_entries_on_the_kernel_equal_torchs(default_target):
-    """On the fast kernel the head's top entries come from its log-softmax top-k: the same entries in the same
-    order as torch's softmax top-k, their probabilities to float rounding."""
+    """On the fast kernel the head's three layers and its top-k are one call (``fast_mlp_topk``): the same entries
+    in the same order as the head's modules (the same 8-bit layers) and torch's softmax top-k, their
+    probabilities to float rounding."""
     d = make_drafter("phrase", default_target)
     assert d.fast == (default_target.precision == "fast")
     ids = default_target.encode_prompt("Write a haiku about the sea.")

@@ -60,7 +60,8 @@ class PhraseDrafter:
         self.h: torch.Tensor | None = None
         self.root = -1
         self.calibration = calibration  # raw node score -> probability of acceptance; None: trees carry no probs
-        self.fast = fast  # the head's matmuls on the fast kernel: its top-k there too
+        self.fast = fast  # the head's matmuls on the fast kernel: the whole head and its top-k one call there
+        self._mlp = mlp_args(head) if fast else None  # (weights, meta, biases) of its layers, as fast_mlp_topk takes them
 
     # ------------------------------------------------------------------ drafter protocol
     def reset(self, prompt_ids: list[int], first_token: int, prefill: ForwardOutput) -> None:
@@ -85,12 +86,15 @@ class PhraseDrafter:
     @torch.inference_mode()
     def phrase_candidates(self, n: int) -> tuple[list[list[int]], list[float]]:
         """The ``n`` most likely entries' expansions and their probabilities under the head."""
-        logits = self.head(self.h.float()[None], self.embed[self.root].float()[None]).float()  # [1, entries]
-        k = min(n, logits.shape[-1])
-        if self.fast:  # one kernel call, no entries-wide softmax
-            lp, idx = torch.ops.specdraft_quant.fast_logp_topk(logits, k)
+        if self.fast:  # the head's three layers and its top-k in one kernel call, no entries-wide softmax
+            x = self.h.float()[None]
+            if self.head.cfg.use_root_embedding:
+                x = torch.cat([x, self.embed[self.root].float()[None]], -1)
+            w, meta, bias = self._mlp
+            lp, idx = torch.ops.specdraft_quant.fast_mlp_topk(x, w, meta, bias, min(n, self.head.cfg.vocab_size))
             return [self.vocab.expansions[i] for i in idx[0].tolist()], lp[0].exp().tolist()
-        top = torch.softmax(logits[0], -1).topk(k)
+        logits = self.head(self.h.float()[None], self.embed[self.root].float()[None]).float()  # [1, entries]
+        top = torch.softmax(logits[0], -1).topk(min(n, logits.shape[-1]))
         return [self.vocab.expansions[i] for i in top.indices.tolist()], top.values.tolist()
 
     def propose(self, budget: int) -> Tree:
@@ -119,6 +123,18 @@ class PhraseDrafter:
 
     def node_probs(self, tree: Tree, phrases, q, scored) -> list[float]:
         return [self.calibration(r) for r in self.raw_scores(tree, phrases, q, scored)]
+
+
+def mlp_args(head: PhraseHead) -> tuple[list[torch.Tensor], list[int], list[torch.Tensor]]:
+    """The head's layers (``QuantLinear`` after ``quantize_linears``) as ``fast_mlp_topk`` takes them: each
+    layer's weight tensors and (kind, rows), and its bias in fp32 (SiLU between them, as ``PhraseHead.forward``)."""
+    w, meta, bias = [], [], []
+    for lin in (head.inp, head.mid, head.out):
+        tensors, m = lin.mm.args()
+        w += tensors
+        meta += m
+        bias.append(torch.empty(0) if lin.bias is None else lin.bias.detach().float().contiguous())
+    return w, meta, bias
 
 
 def load_phrase(target, ckpt: DraftCheckpoint, options: PhraseOptions, name: str | None) -> PhraseDrafter:

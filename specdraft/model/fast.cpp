@@ -1266,6 +1266,45 @@ std::tuple<at::Tensor, at::Tensor> linear_topk(const at::Tensor& x, const std::o
   return {val, ind};
 }
 
+// A small MLP and the top-k of its output in one call (the phrase drafter's head): rows x [M, K] through layers
+// l = 0 .. L-1, y = W_l q(y) + b_l (each W_l one part: 4 tensors and (kind, rows); an empty bias: none), SiLU
+// between the layers (not after the last), then ``logp_topk`` of the last layer's rows: (values [M, k],
+// indices [M, k]).  One op for what is otherwise a dozen, each paying its own dispatch with cold caches.
+std::tuple<at::Tensor, at::Tensor> mlp_topk(const at::Tensor& x, at::TensorList w_t, at::IntArrayRef w_meta,
+                                            at::TensorList bias, int64_t k) {
+  TORCH_CHECK(x.is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat, "fast mlp_topk: x [M, K] fp32 on the CPU");
+  const int64_t L = (int64_t)bias.size();
+  TORCH_CHECK(L >= 1 && (int64_t)w_t.size() == 4 * L && (int64_t)w_meta.size() == 2 * L,
+              "fast mlp_topk: per layer 4 weight tensors, (kind, rows) and a bias");
+  at::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0);
+  int64_t K = xc.size(1);
+  std::vector<float> cur(xc.data_ptr<float>(), xc.data_ptr<float>() + M * K), nxt;
+  for (int64_t l = 0; l < L; ++l) {
+    const WSet w = weights(w_t.slice(4 * l, 4), w_meta.slice(2 * l, 2), K);
+    QRows qx;
+    quantize_rows(cur.data(), M, K, qx);
+    nxt.assign(M * w.N, 0.f);
+    linear_q(qx, M, w, nxt.data(), w.N);
+    const at::Tensor& b = bias[l];
+    if (b.defined() && b.numel()) {
+      TORCH_CHECK(b.is_cpu() && b.scalar_type() == at::kFloat && b.is_contiguous() && b.numel() == w.N,
+                  "fast mlp_topk: a bias [rows] fp32, contiguous");
+      const float* bp = b.data_ptr<float>();
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < w.N; ++n) nxt[m * w.N + n] = nxt[m * w.N + n] + bp[n];
+    }
+    if (l + 1 < L)
+      for (float& v : nxt) v = v / (1.f + exp_s(-v));
+    cur.swap(nxt);
+    K = w.N;
+  }
+  TORCH_CHECK(k >= 1 && k <= K, "fast mlp_topk: 1 <= k <= the last layer's rows");
+  at::Tensor val = at::empty({M, k}, xc.options()), ind = at::empty({M, k}, xc.options().dtype(at::kLong));
+  topk_rows(cur.data(), M, K, k, val.data_ptr<float>(), ind.data_ptr<int64_t>());
+  return {val, ind};
+}
+
 // Rows ids [n] of a Q8_0 table as GGUF stores it (data [rows, K/32 * 34] bytes: per block an fp16 scale, then
 // 32 int8 codes): [n, K] fp32, each value code * scale in fp32 (one rounding: gguf-py's dequantizer's values).
 // An embedding lookup of a pass, without dequantizing the table.
@@ -1343,6 +1382,10 @@ std::tuple<at::Tensor, at::Tensor> linear_topk(const at::Tensor& x, const std::o
   return FAST_DISPATCH(linear_topk, x, norm_w, eps, w, meta, k);
 }
 at::Tensor rows_q8(const at::Tensor& data, const at::Tensor& ids) { return FAST_DISPATCH(rows_q8, data, ids); }
+std::tuple<at::Tensor, at::Tensor> mlp_topk(const at::Tensor& x, at::TensorList w, at::IntArrayRef meta, at::TensorList bias,
+                                            int64_t k) {
+  return FAST_DISPATCH(mlp_topk, x, w, meta, bias, k);
+}
 void set_isa(int64_t which) {
   TORCH_CHECK(which >= -1 && which <= best_isa(), "fast_set_isa: -1 (the best) or 0 .. ", best_isa(), " on this CPU");
   g_isa = which;
@@ -1366,6 +1409,7 @@ TORCH_LIBRARY_FRAGMENT(specdraft_quant, lib) {
   lib.def("fast_linear_topk(Tensor x, Tensor? norm_w, float eps, Tensor[] w, int[] meta, int k) -> (Tensor, Tensor)",
           &fastk::linear_topk);
   lib.def("fast_rows_q8(Tensor data, Tensor ids) -> Tensor", &fastk::rows_q8);
+  lib.def("fast_mlp_topk(Tensor x, Tensor[] w, int[] meta, Tensor[] bias, int k) -> (Tensor, Tensor)", &fastk::mlp_topk);
   lib.def("fast_set_isa(int which) -> ()", &fastk::set_isa);
   lib.def("fast_set_portable(bool on) -> ()", &fastk::set_portable);
   lib.def("fast_isa() -> int", &fastk::current_isa);

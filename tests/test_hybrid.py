@@ -231,6 +231,42 @@ def test_folding_the_feature_norms_keeps_the_fused_feature(tiny_llama):
     assert folded.prepack() in (True, False) and folded._norms_folded  # whatever the CPU prepacks to
 
 
+def test_the_fused_feature_in_one_kernel_call_equals_the_modules(tiny_llama):
+    """On the fast kernel a commit's features are one call (``fast_norms_linear``: the rows picked from each layer,
+    normed, joined and projected): the modules' 8-bit result to float rounding, the same bits on every
+    implementation, whatever rows (an int, a list, a slice) the drafter asks for."""
+    import copy
+
+    _, target, _ = tiny_llama
+    model = _random_model(target, 1, 1, vocab=48, layers=(1, 2, FINAL))
+    with torch.no_grad():
+        for nm in model.feat_norms:
+            nm.weight.normal_(1.0, 0.5)
+    module = copy.deepcopy(model)
+    assert model.prepack(int8=True) and model.fast_features
+    assert module.prepack(int8=True, fused=False) and not module.fast_features
+    h = target.config.hidden_size
+    gen = torch.Generator().manual_seed(8)
+    feats = [torch.randn(7, h, generator=gen) * s for s in (40.0, 3.0, 1.0)]
+    rows = torch.tensor([0, 3, 6, 3])
+    ref = module.feature(torch.cat(feats, -1)[rows])
+    op = torch.ops.specdraft_quant
+    outs = []
+    for which in range(op.fast_best_isa() + 1):
+        op.fast_set_isa(which)
+        outs.append(model.features_fast(feats, rows))
+        torch.testing.assert_close(outs[-1], ref, rtol=1e-4, atol=1e-4)
+    op.fast_set_isa(-1)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    d = HybridDrafter(model, HybridOptions())
+    hidden = {layer: f[None] for layer, f in zip(model.cfg.feature_layers, feats)}
+    out = ForwardOutput(None, hidden)
+    assert torch.equal(d._features(out, 3), outs[0][1]) and torch.equal(d._features(out, [6, 3]), outs[0][2:])
+    torch.testing.assert_close(d._features(out, slice(0, 7)), module.feature(torch.cat(feats, -1)), rtol=1e-4, atol=1e-4)
+    with pytest.raises(IndexError, match="out of range"):
+        model.features_fast(feats, torch.tensor([7]))
+
+
 def test_serial_unroll_adds_the_longer_serial_parts_states_only(tiny_llama):
     """Training with --serial-unroll U: the S+M drafter states are unchanged and the extra states are
     exactly those of a U-step serial part with the same weights (EAGLE-style, no heads)."""

@@ -151,7 +151,14 @@ class HybridDrafter(TrainedDrafter):
     # ------------------------------------------------------------------ protocol
     def _features(self, out: ForwardOutput, rows) -> Tensor:
         """g(f) of the given rows of ``out``: [rows, W]."""
-        return self.model.feature(self.target_features(out, rows))
+        m = self.model
+        if not getattr(m, "fast_features", False):  # EAGLE-3's network: its own fc
+            return m.feature(self.target_features(out, rows))
+        feats = [out.hidden[layer][0] for layer in self.cfg.feature_layers]  # each [T, H]
+        if isinstance(rows, int):
+            return m.features_fast(feats, torch.tensor([rows]))[0]
+        idx = torch.arange(feats[0].shape[0])[rows] if isinstance(rows, slice) else torch.tensor(rows)
+        return m.features_fast(feats, idx)
 
     @torch.inference_mode()
     def reset(self, prompt_ids: list[int], first_token: int, prefill: ForwardOutput) -> None:

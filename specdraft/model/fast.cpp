@@ -1266,6 +1266,37 @@ std::tuple<at::Tensor, at::Tensor> linear_topk(const at::Tensor& x, const std::o
   return {val, ind};
 }
 
+// A hybrid drafter's fused feature in one call: rows ``rows`` [R] of n target layers (feats, each [T, H] fp32),
+// each RMS-normed over its H (no weight: it is folded into the projection's columns), side by side [R, n H],
+// times the fusing projection: [R, N].  One op for the pick, the join, the norms and the matmul.
+at::Tensor norms_linear(at::TensorList feats, const at::Tensor& rows, double eps, at::TensorList w_t,
+                        at::IntArrayRef w_meta) {
+  const int64_t n = (int64_t)feats.size();
+  TORCH_CHECK(n >= 1 && rows.is_cpu() && rows.scalar_type() == at::kLong, "fast norms_linear: layers and int64 rows");
+  const int64_t T = feats[0].size(0), H = feats[0].size(1), R = rows.numel();
+  std::vector<at::Tensor> fc(n);
+  std::vector<const float*> fp(n);
+  for (int64_t j = 0; j < n; ++j) {
+    TORCH_CHECK(feats[j].is_cpu() && feats[j].dim() == 2 && feats[j].scalar_type() == at::kFloat &&
+                    feats[j].size(0) == T && feats[j].size(1) == H, "fast norms_linear: every layer [T, H] fp32, alike");
+    fc[j] = feats[j].contiguous();
+    fp[j] = fc[j].data_ptr<float>();
+  }
+  at::Tensor rc = rows.contiguous();
+  const int64_t* rp = rc.data_ptr<int64_t>();
+  std::vector<float> x(R * n * H);
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK_INDEX(rp[r] >= 0 && rp[r] < T, "row ", rp[r], " out of range [0, ", T, ")");
+    for (int64_t j = 0; j < n; ++j) rms_rows(fp[j] + rp[r] * H, 1, H, eps, nullptr, x.data() + (r * n + j) * H);
+  }
+  const WSet w = weights(w_t, w_meta, n * H);
+  QRows qx;
+  quantize_rows(x.data(), R, n * H, qx);
+  at::Tensor y = at::empty({R, w.N}, feats[0].options());
+  linear_q(qx, R, w, y.data_ptr<float>(), w.N);
+  return y;
+}
+
 // A small MLP and the top-k of its output in one call (the phrase drafter's head): rows x [M, K] through layers
 // l = 0 .. L-1, y = W_l q(y) + b_l (each W_l one part: 4 tensors and (kind, rows); an empty bias: none), SiLU
 // between the layers (not after the last), then ``logp_topk`` of the last layer's rows: (values [M, k],
@@ -1382,6 +1413,9 @@ std::tuple<at::Tensor, at::Tensor> linear_topk(const at::Tensor& x, const std::o
   return FAST_DISPATCH(linear_topk, x, norm_w, eps, w, meta, k);
 }
 at::Tensor rows_q8(const at::Tensor& data, const at::Tensor& ids) { return FAST_DISPATCH(rows_q8, data, ids); }
+at::Tensor norms_linear(at::TensorList feats, const at::Tensor& rows, double eps, at::TensorList w, at::IntArrayRef meta) {
+  return FAST_DISPATCH(norms_linear, feats, rows, eps, w, meta);
+}
 std::tuple<at::Tensor, at::Tensor> mlp_topk(const at::Tensor& x, at::TensorList w, at::IntArrayRef meta, at::TensorList bias,
                                             int64_t k) {
   return FAST_DISPATCH(mlp_topk, x, w, meta, bias, k);
@@ -1409,6 +1443,7 @@ TORCH_LIBRARY_FRAGMENT(specdraft_quant, lib) {
   lib.def("fast_linear_topk(Tensor x, Tensor? norm_w, float eps, Tensor[] w, int[] meta, int k) -> (Tensor, Tensor)",
           &fastk::linear_topk);
   lib.def("fast_rows_q8(Tensor data, Tensor ids) -> Tensor", &fastk::rows_q8);
+  lib.def("fast_norms_linear(Tensor[] feats, Tensor rows, float eps, Tensor[] w, int[] meta) -> Tensor", &fastk::norms_linear);
   lib.def("fast_mlp_topk(Tensor x, Tensor[] w, int[] meta, Tensor[] bias, int k) -> (Tensor, Tensor)", &fastk::mlp_topk);
   lib.def("fast_set_isa(int which) -> ()", &fastk::set_isa);
   lib.def("fast_set_portable(bool on) -> ()", &fastk::set_portable);

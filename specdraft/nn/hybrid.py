@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdraft.errors import SpecdraftError
+from specdraft.model.fast import QuantLinear
 from specdraft.model.llama import RMSNorm
 from specdraft.nn.layers import DraftLayer, DraftModel, MLPHead, TargetShape
 
@@ -109,6 +110,18 @@ class HybridModel(DraftModel):
         y = (y * torch.rsqrt(y.square().mean(-1, keepdim=True) + self.cfg.rms_eps)).to(f.dtype)
         scale = torch.stack([norm.weight for norm in self.feat_norms])  # [n, H]
         return self.fuse((y * scale).flatten(-2))
+
+    @property
+    def fast_features(self) -> bool:
+        """Whether ``features_fast`` can stand for ``feature``: several feature layers, their norms folded, the fusing
+        projection on the fast kernel."""
+        return (self.fast and self._norms_folded and isinstance(self.fuse, QuantLinear) and self.fuse.bias is None
+                and len(self.fuse.mm.args()[1]) == 2)
+
+    def features_fast(self, feats: list[Tensor], rows: Tensor) -> Tensor:
+        """``feature`` of rows ``rows`` [R] (int64) of the target layers ``feats`` (each [T, H], fp32) in one call of the
+        fast kernel (the pick, the join, the norms and the projection): [R, W]."""
+        return torch.ops.specdraft_quant.fast_norms_linear(feats, rows, self.cfg.rms_eps, *self.fuse.mm.args())
 
     def serial(self, state: Tensor, tokens: Tensor, positions: Tensor, mask: Tensor | None,
                past: list[tuple[Tensor, Tensor]] | None = None) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:

@@ -267,6 +267,24 @@ def test_the_fused_feature_in_one_kernel_call_equals_the_modules(tiny_llama):
         model.features_fast(feats, torch.tensor([7]))
 
 
+def test_step_masks_are_the_masks_built_directly():
+    """The serial steps' masks and positions as template views equal those built from scratch, as the context
+    grows past the templates and for more rows than they hold."""
+    from specdraft.drafters.hybrid import StepMasks
+
+    masks, cpu = StepMasks(), torch.device("cpu")
+    for n, t in ((0, 1), (5, 3), (300, 16), (1500, 2), (4000, 7), (9, 20), (2, 1)):
+        chain = torch.ones(1, 1, t, n + t, dtype=torch.bool)
+        chain[0, 0, :, n:] = torch.tril(chain[0, 0, :, n:])
+        sib = torch.zeros(1, 1, t, n + t, dtype=torch.bool)
+        sib[..., :n] = True
+        sib[0, 0, :, n:] = torch.eye(t, dtype=torch.bool)
+        assert torch.equal(masks.chain(n, t, cpu), chain), (n, t)
+        assert torch.equal(masks.siblings(n, t, cpu), sib), (n, t)
+        assert torch.equal(masks.positions(n, t, cpu), torch.arange(n, n + t)[None])
+    assert masks.k >= 4000
+
+
 def test_serial_unroll_adds_the_longer_serial_parts_states_only(tiny_llama):
     """Training with --serial-unroll U: the S+M drafter states are unchanged and the extra states are
     exactly those of a U-step serial part with the same weights (EAGLE-style, no heads)."""

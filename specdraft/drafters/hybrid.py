@@ -121,6 +121,54 @@ def parallel_levels(beam_cums: list[float], tokens: list[list[list[int]]], logps
 # ---------------------------------------------------------------------------- drafter
 
 
+class StepMasks:
+    """What a serial step most often needs, as views of templates made once (growing with the context), so a
+    step slices them instead of building them (each build is a few ops, tens of us live): masks [1, 1, T, n + T]
+    bool (True = may attend) and positions [1, T].  ``chain``: T new committed rows after n slots, row i sees
+    slots 0 .. n+i (a commit); ``siblings``: T drafted rows that see the n committed slots and themselves only
+    (the first drafted step).  Up to ``ROWS`` rows (more: built directly)."""
+
+    ROWS = 16
+
+    def __init__(self) -> None:
+        self.k = 0  # committed slots the templates cover
+        self._chain: Tensor | None = None  # [ROWS, k + ROWS]: (i, j) True iff j <= i + k
+        self._sib: Tensor | None = None  # [ROWS, k + ROWS]: True for j < k and for j = k + i
+        self._pos: Tensor | None = None  # [k + ROWS]: 0, 1, 2, ...
+
+    def _fit(self, n: int, device) -> None:
+        if self._chain is not None and n <= self.k and self._chain.device == device:
+            return
+        k, r = max(1024, 2 * n), self.ROWS
+        self._chain = torch.ones(r, k + r, dtype=torch.bool, device=device).tril(k)
+        self._sib = torch.cat([torch.ones(r, k, dtype=torch.bool, device=device),
+                               torch.eye(r, dtype=torch.bool, device=device)], 1)
+        self._pos = torch.arange(k + r, device=device)
+        self.k = k
+
+    def chain(self, n: int, t: int, device) -> Tensor:
+        if t > self.ROWS:
+            mask = torch.ones(1, 1, t, n + t, dtype=torch.bool, device=device)
+            mask[0, 0, :, n:] = torch.tril(mask[0, 0, :, n:])
+            return mask
+        self._fit(n, device)
+        return self._chain[:t, self.k - n : self.k + t][None, None]
+
+    def siblings(self, n: int, t: int, device) -> Tensor:
+        if t > self.ROWS:
+            mask = torch.zeros(1, 1, t, n + t, dtype=torch.bool, device=device)
+            mask[..., :n] = True
+            mask[0, 0, :, n:] = torch.eye(t, dtype=torch.bool, device=device)
+            return mask
+        self._fit(n, device)
+        return self._sib[:t, self.k - n : self.k + t][None, None]
+
+    def positions(self, n: int, t: int, device) -> Tensor:
+        """[1, t]: n, n+1, ..., n+t-1."""
+        self._fit(n + t, device)
+        return self._pos[n : n + t][None]
+
+
 @dataclass
 class HybridOptions(TrainedOptions):
     """``gumiho@key=value,...`` (also medusa, eagle and a hybrid checkpoint path)."""
@@ -145,6 +193,7 @@ class HybridDrafter(TrainedDrafter):
                  manifest: dict | None = None) -> None:
         super().__init__(model, options or HybridOptions(), name or model.cfg.kind, manifest, model.cfg.serial_layers)
         self.state: Tensor | None = None  # [W]: h^1 (S > 0) or g(f_{n-1}) (S = 0)
+        self._masks = StepMasks()  # a serial step's common masks and positions as views of stored templates
         self.floor = 0.0  # set by the loop each pass (LiveCosts.floor): the probability below which a node cannot pay
         # for its row on this machine now; the serial steps stop where no path reaches it
 
@@ -183,11 +232,8 @@ class HybridDrafter(TrainedDrafter):
         """Run the serial layers over new committed positions (true features) and cache their K/V."""
         t, n, dev = len(next_tokens), self.n, g.device
         self.cache.reserve(n + t + self.cfg.depth + 1, n, self.model.head_w)
-        mask = None
-        if t > 1:
-            mask = torch.ones(1, 1, t, n + t, dtype=torch.bool, device=dev)
-            mask[0, 0, :, n:] = torch.tril(mask[0, 0, :, n:])
-        pos = torch.arange(n, n + t, device=dev)[None]
+        mask = self._masks.chain(n, t, dev) if t > 1 else None
+        pos = self._masks.positions(n, t, dev)
         toks = torch.tensor([next_tokens], device=dev)
         h = self._step(g[None], toks, pos, mask, n)
         self.n = n + t
@@ -236,14 +282,18 @@ class HybridDrafter(TrainedDrafter):
             beam = list(range(min(width, len(lv.tokens))))  # levels are sorted best first
             nb = len(beam)
             # mask: every committed slot, the beam's own ancestors in earlier step blocks, itself
-            mask = torch.zeros(1, 1, nb, self.n + sum(blocks) + nb, dtype=torch.bool, device=dev)
-            mask[..., : self.n] = True
-            off = self.n
-            for r, size in enumerate(blocks):
-                for i, b in enumerate(beam):
-                    mask[0, 0, i, off + rows[b][r]] = True
-                off += size
-            mask[0, 0, :, off:] = torch.eye(nb, dtype=torch.bool, device=dev)
+            off = self.n + sum(blocks)
+            if not blocks:  # the first step block: a view of a stored template
+                mask = self._masks.siblings(self.n, nb, dev)
+            else:
+                mask = torch.zeros(1, 1, nb, off + nb, dtype=torch.bool, device=dev)
+                mask[..., : self.n] = True
+                at = self.n
+                for r, size in enumerate(blocks):
+                    for i, b in enumerate(beam):
+                        mask[0, 0, i, at + rows[b][r]] = True
+                    at += size
+                mask[0, 0, :, off:] = torch.eye(nb, dtype=torch.bool, device=dev)
             st = torch.stack([states[b][-1] for b in beam])[None]  # [1, nb, W]
             tk = torch.tensor([[lv.tokens[b] for b in beam]], device=dev)
             pos = torch.full((1, nb), self.n + s - 2, device=dev)

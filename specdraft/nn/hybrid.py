@@ -77,11 +77,15 @@ class HybridModel(DraftModel):
         self.heads = nn.ModuleList(MLPHead(max(cfg.serial, 1) * w + h, w, cfg.head_blocks)
                                    for _ in range(cfg.parallel))
         self._norms_folded = False  # the feature norms' weights folded into ``fuse`` (fold_feature_norms)
+        self._fast_features = False  # features_fast stands for feature (set by prepack)
 
     def prepack(self, int8: bool = False, fused: bool = True, kind: str = "Q8_0") -> bool:
         """``DraftModel.prepack``, the feature norms' weights folded into the fusing projection first."""
         self.fold_feature_norms()
-        return super().prepack(int8, fused, kind)
+        done = super().prepack(int8, fused, kind)
+        self._fast_features = (self.fast and self._norms_folded and isinstance(self.fuse, QuantLinear)
+                               and self.fuse.bias is None and len(self.fuse.mm.args()[1]) == 2)
+        return done
 
     @torch.no_grad()
     def fold_feature_norms(self) -> None:
@@ -114,9 +118,8 @@ class HybridModel(DraftModel):
     @property
     def fast_features(self) -> bool:
         """Whether ``features_fast`` can stand for ``feature``: several feature layers, their norms folded, the fusing
-        projection on the fast kernel."""
-        return (self.fast and self._norms_folded and isinstance(self.fuse, QuantLinear) and self.fuse.bias is None
-                and len(self.fuse.mm.args()[1]) == 2)
+        projection on the fast kernel (decided once, by ``prepack``)."""
+        return self._fast_features
 
     def features_fast(self, feats: list[Tensor], rows: Tensor) -> Tensor:
         """``feature`` of rows ``rows`` [R] (int64) of the target layers ``feats`` (each [T, H], fp32) in one call of the

@@ -152,9 +152,26 @@ def test_logp_topk_on_every_path():
     op.fast_set_isa(-1)
 
 
+def test_the_bias_in_the_kernel_is_torchs_add():
+    """``fast_linear`` with a bias (what ``QuantLinear`` calls for fp32 rows) gives the bits of the product plus the
+    bias added by torch, on every implementation; a bias of the wrong size is one error."""
+    op = torch.ops.specdraft_quant
+    lin = torch.nn.Linear(96, 40)
+    q = fast.QuantLinear(lin)
+    x = torch.randn(2, 5, 96)
+    for which in range(op.fast_best_isa() + 1):
+        op.fast_set_isa(which)
+        ref = q.mm(x) + lin.bias
+        assert torch.equal(q(x), ref.detach()) and q(x).shape == (2, 5, 40)
+        with pytest.raises(RuntimeError, match="bias"):
+            op.fast_linear(x[0], *q.mm.args(), torch.zeros(39))
+    op.fast_set_isa(-1)
+
+
 def test_linear_topk_equals_its_steps_on_every_path():
     """A drafter's head and top-k in one call (``fast_linear_topk``) gives the bits of its steps one by one:
-    ``fast_linear`` (``fast_head`` with a norm) then ``fast_logp_topk``, on every implementation."""
+    ``fast_linear`` (``fast_head`` with a norm) then ``fast_logp_topk`` (then the row numbers' ids where given), on
+    every implementation."""
     op = torch.ops.specdraft_quant
     fw = fast.FastWeight.from_raw(_random_raw("Q8_0", 300, 128, seed=3))
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(4)) * 3
@@ -168,8 +185,14 @@ def test_linear_topk_equals_its_steps_on_every_path():
             lp, idx = op.fast_linear_topk(x, norm, 1e-5, *fw.args(), k)
             ref = op.fast_logp_topk(op.fast_head(x, norm, 1e-5, *fw.args(), True)[1], k)
             assert torch.equal(lp, ref[0]) and torch.equal(idx, ref[1])
+        ids = torch.randperm(5000, generator=torch.Generator().manual_seed(which))[:300]
+        lp, mapped = op.fast_linear_topk(x, None, 0.0, *fw.args(), 8, ids)
+        ref = op.fast_logp_topk(fw(x), 8)
+        assert torch.equal(lp, ref[0]) and torch.equal(mapped, ids[ref[1]])
         with pytest.raises(RuntimeError, match="1 <= k"):
             op.fast_linear_topk(x, None, 0.0, *fw.args(), 301)
+        with pytest.raises(RuntimeError, match="ids"):
+            op.fast_linear_topk(x, None, 0.0, *fw.args(), 8, ids[:10])
     op.fast_set_isa(-1)
 
 

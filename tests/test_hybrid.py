@@ -248,7 +248,7 @@ def test_the_fused_feature_in_one_kernel_call_equals_the_modules(tiny_llama):
     h = target.config.hidden_size
     gen = torch.Generator().manual_seed(8)
     feats = [torch.randn(7, h, generator=gen) * s for s in (40.0, 3.0, 1.0)]
-    rows = torch.tensor([0, 3, 6, 3])
+    rows = [0, 3, 6, 3]
     ref = module.feature(torch.cat(feats, -1)[rows])
     op = torch.ops.specdraft_quant
     outs = []
@@ -264,7 +264,7 @@ def test_the_fused_feature_in_one_kernel_call_equals_the_modules(tiny_llama):
     assert torch.equal(d._features(out, 3), outs[0][1]) and torch.equal(d._features(out, [6, 3]), outs[0][2:])
     torch.testing.assert_close(d._features(out, slice(0, 7)), module.feature(torch.cat(feats, -1)), rtol=1e-4, atol=1e-4)
     with pytest.raises(IndexError, match="out of range"):
-        model.features_fast(feats, torch.tensor([7]))
+        model.features_fast(feats, [7])
 
 
 def test_step_masks_are_the_masks_built_directly():

@@ -205,9 +205,8 @@ class HybridDrafter(TrainedDrafter):
             return m.feature(self.target_features(out, rows))
         feats = [out.hidden[layer][0] for layer in self.cfg.feature_layers]  # each [T, H]
         if isinstance(rows, int):
-            return m.features_fast(feats, torch.tensor([rows]))[0]
-        idx = torch.arange(feats[0].shape[0])[rows] if isinstance(rows, slice) else torch.tensor(rows)
-        return m.features_fast(feats, idx)
+            return m.features_fast(feats, [rows])[0]
+        return m.features_fast(feats, list(range(feats[0].shape[0]))[rows] if isinstance(rows, slice) else rows)
 
     @torch.inference_mode()
     def reset(self, prompt_ids: list[int], first_token: int, prefill: ForwardOutput) -> None:

@@ -974,7 +974,7 @@ static void act_rows(const float* gu, int64_t M, int64_t inter, float* out, bool
 }
 
 // ------------------------------------------------------------------ ops
-at::Tensor linear(const at::Tensor& x, at::TensorList w_t, at::IntArrayRef w_meta) {
+at::Tensor linear(const at::Tensor& x, at::TensorList w_t, at::IntArrayRef w_meta, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat, "fast linear: x [M, K] fp32 on the CPU");
   at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1);
@@ -982,7 +982,15 @@ at::Tensor linear(const at::Tensor& x, at::TensorList w_t, at::IntArrayRef w_met
   QRows qx;
   quantize_rows(xc.data_ptr<float>(), M, K, qx);
   at::Tensor y = at::empty({M, w.N}, xc.options());
-  linear_q(qx, M, w, y.data_ptr<float>(), w.N);
+  float* yp = y.data_ptr<float>();
+  linear_q(qx, M, w, yp, w.N);
+  if (bias.has_value() && bias->defined()) {  // + b in fp32, as torch adds it
+    TORCH_CHECK(bias->is_cpu() && bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == w.N,
+                "fast linear: bias [N] fp32, contiguous");
+    const float* bp = bias->data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < w.N; ++n) yp[m * w.N + n] = yp[m * w.N + n] + bp[n];
+  }
   return y;
 }
 
@@ -1240,9 +1248,10 @@ std::tuple<at::Tensor, at::Tensor> logp_topk(const at::Tensor& logits, int64_t k
 
 // A drafter's scores and their top-k in one call: rows x [M, K] (RMS-normed first with norm_w [K] where given,
 // as ``head`` does), times the head's weight rows [V', K], then ``logp_topk`` of each row: (values [M, k],
-// indices [M, k]), the same bits as those three steps one by one, without the [M, V'] scores leaving C++.
+// indices [M, k], through ``ids`` [V'] where given), the same bits as those three steps one by one, without the [M, V'] scores leaving C++.
 std::tuple<at::Tensor, at::Tensor> linear_topk(const at::Tensor& x, const std::optional<at::Tensor>& norm_w, double eps,
-                                               at::TensorList w_t, at::IntArrayRef w_meta, int64_t k) {
+                                               at::TensorList w_t, at::IntArrayRef w_meta, int64_t k,
+                                               const std::optional<at::Tensor>& ids) {
   TORCH_CHECK(x.is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat, "fast linear_topk: x [M, K] fp32 on the CPU");
   at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1);
@@ -1262,18 +1271,25 @@ std::tuple<at::Tensor, at::Tensor> linear_topk(const at::Tensor& x, const std::o
   std::vector<float> y(M * w.N);
   linear_q(qx, M, w, y.data(), w.N);
   at::Tensor val = at::empty({M, k}, xc.options()), ind = at::empty({M, k}, xc.options().dtype(at::kLong));
-  topk_rows(y.data(), M, w.N, k, val.data_ptr<float>(), ind.data_ptr<int64_t>());
+  int64_t* ip = ind.data_ptr<int64_t>();
+  topk_rows(y.data(), M, w.N, k, val.data_ptr<float>(), ip);
+  if (ids.has_value() && ids->defined()) {  // row numbers -> the ids they stand for (a draft vocabulary's target ids)
+    TORCH_CHECK(ids->is_cpu() && ids->scalar_type() == at::kLong && ids->is_contiguous() && ids->numel() == w.N,
+                "fast linear_topk: ids [rows] int64, contiguous");
+    const int64_t* map = ids->data_ptr<int64_t>();
+    for (int64_t i = 0; i < M * k; ++i) ip[i] = map[ip[i]];
+  }
   return {val, ind};
 }
 
-// A hybrid drafter's fused feature in one call: rows ``rows`` [R] of n target layers (feats, each [T, H] fp32),
+// A hybrid drafter's fused feature in one call: rows ``rows`` (R ints) of n target layers (feats, each [T, H] fp32),
 // each RMS-normed over its H (no weight: it is folded into the projection's columns), side by side [R, n H],
 // times the fusing projection: [R, N].  One op for the pick, the join, the norms and the matmul.
-at::Tensor norms_linear(at::TensorList feats, const at::Tensor& rows, double eps, at::TensorList w_t,
+at::Tensor norms_linear(at::TensorList feats, at::IntArrayRef rows, double eps, at::TensorList w_t,
                         at::IntArrayRef w_meta) {
   const int64_t n = (int64_t)feats.size();
-  TORCH_CHECK(n >= 1 && rows.is_cpu() && rows.scalar_type() == at::kLong, "fast norms_linear: layers and int64 rows");
-  const int64_t T = feats[0].size(0), H = feats[0].size(1), R = rows.numel();
+  TORCH_CHECK(n >= 1, "fast norms_linear: at least one layer");
+  const int64_t T = feats[0].size(0), H = feats[0].size(1), R = (int64_t)rows.size();
   std::vector<at::Tensor> fc(n);
   std::vector<const float*> fp(n);
   for (int64_t j = 0; j < n; ++j) {
@@ -1282,8 +1298,7 @@ at::Tensor norms_linear(at::TensorList feats, const at::Tensor& rows, double eps
     fc[j] = feats[j].contiguous();
     fp[j] = fc[j].data_ptr<float>();
   }
-  at::Tensor rc = rows.contiguous();
-  const int64_t* rp = rc.data_ptr<int64_t>();
+  const int64_t* rp = rows.data();
   std::vector<float> x(R * n * H);
   for (int64_t r = 0; r < R; ++r) {
     TORCH_CHECK_INDEX(rp[r] >= 0 && rp[r] < T, "row ", rp[r], " out of range [0, ", T, ")");
@@ -1391,7 +1406,9 @@ static int64_t isa() { return g_isa < 0 ? best_isa() : g_isa; }
 #define FAST_DISPATCH(fn, ...) \
   (isa() == 2 ? fastk2::fn(__VA_ARGS__) : isa() == 1 ? fastk1::fn(__VA_ARGS__) : fastk0::fn(__VA_ARGS__))
 
-at::Tensor linear(const at::Tensor& x, at::TensorList w, at::IntArrayRef meta) { return FAST_DISPATCH(linear, x, w, meta); }
+at::Tensor linear(const at::Tensor& x, at::TensorList w, at::IntArrayRef meta, const std::optional<at::Tensor>& bias) {
+  return FAST_DISPATCH(linear, x, w, meta, bias);
+}
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& x) { return FAST_DISPATCH(quantize, x); }
 std::tuple<at::Tensor, at::Tensor> head(const at::Tensor& x, const at::Tensor& norm_w, double eps, at::TensorList w,
                                         at::IntArrayRef meta, bool want_logits) {
@@ -1409,11 +1426,12 @@ at::Tensor block(const at::Tensor& x, at::TensorList qkv, at::IntArrayRef qkv_me
 }
 std::tuple<at::Tensor, at::Tensor> logp_topk(const at::Tensor& logits, int64_t k) { return FAST_DISPATCH(logp_topk, logits, k); }
 std::tuple<at::Tensor, at::Tensor> linear_topk(const at::Tensor& x, const std::optional<at::Tensor>& norm_w, double eps,
-                                               at::TensorList w, at::IntArrayRef meta, int64_t k) {
-  return FAST_DISPATCH(linear_topk, x, norm_w, eps, w, meta, k);
+                                               at::TensorList w, at::IntArrayRef meta, int64_t k,
+                                               const std::optional<at::Tensor>& ids) {
+  return FAST_DISPATCH(linear_topk, x, norm_w, eps, w, meta, k, ids);
 }
 at::Tensor rows_q8(const at::Tensor& data, const at::Tensor& ids) { return FAST_DISPATCH(rows_q8, data, ids); }
-at::Tensor norms_linear(at::TensorList feats, const at::Tensor& rows, double eps, at::TensorList w, at::IntArrayRef meta) {
+at::Tensor norms_linear(at::TensorList feats, at::IntArrayRef rows, double eps, at::TensorList w, at::IntArrayRef meta) {
   return FAST_DISPATCH(norms_linear, feats, rows, eps, w, meta);
 }
 std::tuple<at::Tensor, at::Tensor> mlp_topk(const at::Tensor& x, at::TensorList w, at::IntArrayRef meta, at::TensorList bias,
@@ -1430,7 +1448,7 @@ int64_t current_isa() { return isa(); }
 }  // namespace fastk
 
 TORCH_LIBRARY_FRAGMENT(specdraft_quant, lib) {
-  lib.def("fast_linear(Tensor x, Tensor[] w, int[] meta) -> Tensor", &fastk::linear);
+  lib.def("fast_linear(Tensor x, Tensor[] w, int[] meta, Tensor? bias=None) -> Tensor", &fastk::linear);
   lib.def("fast_quantize(Tensor x) -> (Tensor, Tensor, Tensor)", &fastk::quantize);
   lib.def("fast_head(Tensor x, Tensor norm_w, float eps, Tensor[] w, int[] meta, bool want_logits) -> (Tensor, Tensor)",
           &fastk::head);
@@ -1440,10 +1458,10 @@ TORCH_LIBRARY_FRAGMENT(specdraft_quant, lib) {
           "Tensor? post_attn=None, Tensor? post_mlp=None, bool gelu=False, float scale=0.0) -> Tensor",
           &fastk::block);
   lib.def("fast_logp_topk(Tensor logits, int k) -> (Tensor, Tensor)", &fastk::logp_topk);
-  lib.def("fast_linear_topk(Tensor x, Tensor? norm_w, float eps, Tensor[] w, int[] meta, int k) -> (Tensor, Tensor)",
+  lib.def("fast_linear_topk(Tensor x, Tensor? norm_w, float eps, Tensor[] w, int[] meta, int k, Tensor? ids=None) -> (Tensor, Tensor)",
           &fastk::linear_topk);
   lib.def("fast_rows_q8(Tensor data, Tensor ids) -> Tensor", &fastk::rows_q8);
-  lib.def("fast_norms_linear(Tensor[] feats, Tensor rows, float eps, Tensor[] w, int[] meta) -> Tensor", &fastk::norms_linear);
+  lib.def("fast_norms_linear(Tensor[] feats, int[] rows, float eps, Tensor[] w, int[] meta) -> Tensor", &fastk::norms_linear);
   lib.def("fast_mlp_topk(Tensor x, Tensor[] w, int[] meta, Tensor[] bias, int k) -> (Tensor, Tensor)", &fastk::mlp_topk);
   lib.def("fast_set_isa(int which) -> ()", &fastk::set_isa);
   lib.def("fast_set_portable(bool on) -> ()", &fastk::set_portable);

@@ -121,8 +121,8 @@ class HybridModel(DraftModel):
         projection on the fast kernel (decided once, by ``prepack``)."""
         return self._fast_features
 
-    def features_fast(self, feats: list[Tensor], rows: Tensor) -> Tensor:
-        """``feature`` of rows ``rows`` [R] (int64) of the target layers ``feats`` (each [T, H], fp32) in one call of the
+    def features_fast(self, feats: list[Tensor], rows: list[int]) -> Tensor:
+        """``feature`` of rows ``rows`` (R indices) of the target layers ``feats`` (each [T, H], fp32) in one call of the
         fast kernel (the pick, the join, the norms and the projection): [R, W]."""
         return torch.ops.specdraft_quant.fast_norms_linear(feats, rows, self.cfg.rms_eps, *self.fuse.mm.args())
 

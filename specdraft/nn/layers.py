@@ -334,10 +334,10 @@ class DraftModel(nn.Module):
         k = min(k, self.head_w.shape[0])
         norm = self.head_norm()
         nw, eps = (None, 0.0) if norm is None else (_f32(norm.weight), norm.eps)
-        lp, idx = torch.ops.specdraft_quant.fast_linear_topk(h.reshape(-1, h.shape[-1]).float(), nw, eps,
-                                                             *self._head.args(), k)
+        lp, ids = torch.ops.specdraft_quant.fast_linear_topk(h.reshape(-1, h.shape[-1]).float(), nw, eps,
+                                                             *self._head.args(), k, self.vocab_ids)
         shape = (*h.shape[:-1], k)
-        return self.vocab_ids[idx].view(shape), lp.view(shape)
+        return ids.view(shape), lp.view(shape)
 
     def top_of_logits(self, logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """``top_logp`` from scores already computed, logits [..., V'] (k capped at V')."""

@@ -261,6 +261,8 @@ def test_q8_rows_equal_gguf_py_on_every_path():
     table._q8 = False  # numpy's lookup
     assert kernel.shape == (1, 6, 96) and torch.equal(kernel, table(ids[None]))
     assert torch.equal(table[5], kernel[0, 2])
+    table._q8 = None
+    assert torch.equal(table(ids[None].int()), kernel)  # int32 ids as well
 
 
 def test_the_isa_in_use_is_reported():

@@ -115,7 +115,8 @@ class BlockTable(nn.Module):
         if self._q8 is None:
             self._q8 = self._q8_table()
         if self._q8 is not False:  # one C++ call: a pass's lookup costs ~0.1 ms less than numpy's dozen steps
-            rows = torch.ops.specdraft_quant.fast_rows_q8(self._q8, tokens.reshape(-1).cpu())
+            ids = tokens.reshape(-1).cpu()
+            rows = torch.ops.specdraft_quant.fast_rows_q8(self._q8, ids if ids.dtype == torch.long else ids.long())
             return rows.view(*tokens.shape, self.raw.cols).to(self._device)
         ids = tokens.reshape(-1).cpu().numpy()
         if ids.size and (ids.min() < 0 or ids.max() >= self.raw.rows):

@@ -136,7 +136,4 @@ class TrainedDrafter:
     def target_features(self, out: ForwardOutput, rows) -> Tensor:
         """The features this drafter reads, of the given rows of a target pass: [..rows, n_layers * H]
         in the network's dtype (rows: an index, a list or a slice of the pass's nodes)."""
-        layers = self.cfg.feature_layers
-        if isinstance(rows, list) and len(layers) > 1:  # a commit's path: the pass's few rows joined, then picked (2 ops)
-            return torch.cat([out.hidden[layer][0] for layer in layers], -1)[rows].to(self.model.head_w.dtype)
-        return torch.cat([out.hidden[layer][0, rows] for layer in layers], -1).to(self.model.head_w.dtype)
+        return torch.cat([out.hidden[layer][0, rows] for layer in self.cfg.feature_layers], -1).to(self.model.head_w.dtype)

@@ -201,7 +201,7 @@ class HybridDrafter(TrainedDrafter):
     def _features(self, out: ForwardOutput, rows) -> Tensor:
         """g(f) of the given rows of ``out``: [rows, W]."""
         m = self.model
-        if not getattr(m, "fast_features", False):  # EAGLE-3's network: its own fc
+        if not m.fast_features:
             return m.feature(self.target_features(out, rows))
         feats = [out.hidden[layer][0] for layer in self.cfg.feature_layers]  # each [T, H]
         if isinstance(rows, int):

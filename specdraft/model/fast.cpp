@@ -973,24 +973,31 @@ static void act_rows(const float* gu, int64_t M, int64_t inter, float* out, bool
   }
 }
 
+// y [M, w.N] = the rows x [M, w.K], quantized, against w: an op's projection, its two steps.
+static void project(const float* x, int64_t M, const WSet& w, float* y) {
+  QRows qx;
+  quantize_rows(x, M, w.K, qx);
+  linear_q(qx, M, w, y, w.N);
+}
+
+// y[m, :] + b for each of the M rows of y [M, N], in fp32 as torch adds a bias (``who``: the op, for errors).
+static void add_bias(float* y, int64_t M, int64_t N, const at::Tensor& b, const char* who) {
+  TORCH_CHECK(b.is_cpu() && b.scalar_type() == at::kFloat && b.is_contiguous() && b.numel() == N, who,
+              ": bias [rows] fp32, contiguous");
+  const float* bp = b.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) y[m * N + n] = y[m * N + n] + bp[n];
+}
+
 // ------------------------------------------------------------------ ops
 at::Tensor linear(const at::Tensor& x, at::TensorList w_t, at::IntArrayRef w_meta, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat, "fast linear: x [M, K] fp32 on the CPU");
   at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1);
   const WSet w = weights(w_t, w_meta, K);
-  QRows qx;
-  quantize_rows(xc.data_ptr<float>(), M, K, qx);
   at::Tensor y = at::empty({M, w.N}, xc.options());
-  float* yp = y.data_ptr<float>();
-  linear_q(qx, M, w, yp, w.N);
-  if (bias.has_value() && bias->defined()) {  // + b in fp32, as torch adds it
-    TORCH_CHECK(bias->is_cpu() && bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == w.N,
-                "fast linear: bias [N] fp32, contiguous");
-    const float* bp = bias->data_ptr<float>();
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = 0; n < w.N; ++n) yp[m * w.N + n] = yp[m * w.N + n] + bp[n];
-  }
+  project(xc.data_ptr<float>(), M, w, y.data_ptr<float>());
+  if (bias.has_value() && bias->defined()) add_bias(y.data_ptr<float>(), M, w.N, *bias, "fast linear");
   return y;
 }
 
@@ -1021,12 +1028,10 @@ std::tuple<at::Tensor, at::Tensor> head(const at::Tensor& x, const at::Tensor& n
   rms_rows(xc.data_ptr<float>(), M, H, eps, norm_w.contiguous().data_ptr<float>(), normed.data_ptr<float>());
   if (!want_logits) return {normed, at::empty({0}, xc.options())};
   const WSet w = weights(w_t, w_meta, H);
-  QRows qx;
-  quantize_rows(normed.data_ptr<float>(), M, H, qx);
   std::vector<int64_t> shape(xc.sizes().begin(), xc.sizes().end());
   shape.back() = w.N;
   at::Tensor y = at::empty(shape, xc.options());
-  linear_q(qx, M, w, y.data_ptr<float>(), w.N);
+  project(normed.data_ptr<float>(), M, w, y.data_ptr<float>());
   return {normed, y};
 }
 
@@ -1266,10 +1271,8 @@ std::tuple<at::Tensor, at::Tensor> linear_topk(const at::Tensor& x, const std::o
   }
   const WSet w = weights(w_t, w_meta, K);
   TORCH_CHECK(k >= 1 && k <= w.N, "fast linear_topk: 1 <= k <= the weight's rows");
-  QRows qx;
-  quantize_rows(src, M, K, qx);
   std::vector<float> y(M * w.N);
-  linear_q(qx, M, w, y.data(), w.N);
+  project(src, M, w, y.data());
   at::Tensor val = at::empty({M, k}, xc.options()), ind = at::empty({M, k}, xc.options().dtype(at::kLong));
   int64_t* ip = ind.data_ptr<int64_t>();
   topk_rows(y.data(), M, w.N, k, val.data_ptr<float>(), ip);
@@ -1305,10 +1308,8 @@ at::Tensor norms_linear(at::TensorList feats, at::IntArrayRef rows, double eps, 
     for (int64_t j = 0; j < n; ++j) rms_rows(fp[j] + rp[r] * H, 1, H, eps, nullptr, x.data() + (r * n + j) * H);
   }
   const WSet w = weights(w_t, w_meta, n * H);
-  QRows qx;
-  quantize_rows(x.data(), R, n * H, qx);
   at::Tensor y = at::empty({R, w.N}, feats[0].options());
-  linear_q(qx, R, w, y.data_ptr<float>(), w.N);
+  project(x.data(), R, w, y.data_ptr<float>());
   return y;
 }
 
@@ -1328,18 +1329,9 @@ std::tuple<at::Tensor, at::Tensor> mlp_topk(const at::Tensor& x, at::TensorList 
   std::vector<float> cur(xc.data_ptr<float>(), xc.data_ptr<float>() + M * K), nxt;
   for (int64_t l = 0; l < L; ++l) {
     const WSet w = weights(w_t.slice(4 * l, 4), w_meta.slice(2 * l, 2), K);
-    QRows qx;
-    quantize_rows(cur.data(), M, K, qx);
     nxt.assign(M * w.N, 0.f);
-    linear_q(qx, M, w, nxt.data(), w.N);
-    const at::Tensor& b = bias[l];
-    if (b.defined() && b.numel()) {
-      TORCH_CHECK(b.is_cpu() && b.scalar_type() == at::kFloat && b.is_contiguous() && b.numel() == w.N,
-                  "fast mlp_topk: a bias [rows] fp32, contiguous");
-      const float* bp = b.data_ptr<float>();
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = 0; n < w.N; ++n) nxt[m * w.N + n] = nxt[m * w.N + n] + bp[n];
-    }
+    project(cur.data(), M, w, nxt.data());
+    if (bias[l].defined() && bias[l].numel()) add_bias(nxt.data(), M, w.N, bias[l], "fast mlp_topk");
     if (l + 1 < L)
       for (float& v : nxt) v = v / (1.f + exp_s(-v));
     cur.swap(nxt);

@@ -148,9 +148,9 @@ class FastWeight:
         """The repacked weight's size: what a pass streams for it."""
         return sum(t.numel() * t.element_size() for t in self._args[0])
 
-    def __call__(self, x: Tensor) -> Tensor:
-        """y = x @ W^T for x [..., cols] fp32."""
-        y = torch.ops.specdraft_quant.fast_linear(x.reshape(-1, self.cols).float(), *self.args())
+    def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        """y = x @ W^T (+ ``bias`` [rows] fp32, added in the kernel) for x [..., cols] fp32."""
+        y = torch.ops.specdraft_quant.fast_linear(x.reshape(-1, self.cols).float(), *self.args(), bias)
         return y.view(*x.shape[:-1], self.rows)
 
 
@@ -167,9 +167,8 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         b = self.bias
-        if x.dtype == torch.float32 and (b is None or b.dtype == torch.float32):  # one kernel call, the bias in it
-            y = torch.ops.specdraft_quant.fast_linear(x.reshape(-1, self.in_features), *self.mm.args(), b)
-            return y.view(*x.shape[:-1], self.out_features)
+        if x.dtype == torch.float32 and (b is None or b.dtype == torch.float32):
+            return self.mm(x, b)  # one kernel call, the bias added in it
         y = self.mm(x).to(x.dtype)
         return y if b is None else y + b
 

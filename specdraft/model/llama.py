@@ -102,7 +102,7 @@ class BlockTable(nn.Module):
 
     def _q8_table(self) -> Tensor | bool:
         """``raw``'s bytes as a tensor (no copy) where the kernel can read them: a Q8_0 table, kernels built."""
-        if self.raw.kind != "Q8_0" or not kernel_available() or not hasattr(torch.ops.specdraft_quant, "fast_rows_q8"):
+        if self.raw.kind != "Q8_0" or not kernel_available():
             return False
         data = np.ascontiguousarray(self.raw.data)
         with warnings.catch_warnings():  # a read-only mapping of the file: the kernel only reads it

@@ -321,6 +321,11 @@ class DraftModel(nn.Module):
         y = F.linear(h2, self.head_w) if self._head is None else self._head(h2).to(h2.dtype)
         return y.view(*h.shape[:-1], -1)
 
+    @property
+    def fast_features(self) -> bool:
+        """Whether ``features_fast`` (one kernel call) stands for ``feature``: only a hybrid network's can."""
+        return False
+
     def head_norm(self) -> RMSNorm | None:
         """The norm ``logits`` applies before the head rows (None: none; EAGLE-3's network has one)."""
         return None

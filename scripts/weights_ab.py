@@ -6,7 +6,7 @@ and whether every output equals plain greedy's.
 
     git show HEAD~1:specdraft/weights/calibration.json > before.json
     python scripts/weights_ab.py phrase BEFORE.safetensors before.json --out ab.json \\
-        --datasets docs/prompts/fresh2_chat.jsonl,docs/prompts/fresh2_math.jsonl
+        --datasets docs/prompts/fresh2_chat.jsonl,docs/prompts/fresh2_math.jsonl [--target FILE.gguf]
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import json
 
 from specdraft.datasets import load_prompts
 from specdraft.drafters import make_drafter
-from specdraft.drafters.calibration import Calibration
+from specdraft.drafters.calibration import Calibration, entry_key
 from specdraft.model.fast import kernel_info
 from specdraft.target import Target
 from interleaved import interleave  # (this folder is on the path when the script runs)
@@ -33,10 +33,11 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8, help="prompts per dataset")
     ap.add_argument("--max-new", type=int, default=192)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--target", default="default", help="'default' or a .gguf file (its entry NAME@MODEL is used)")
     a = ap.parse_args()
-    t = Target.load()
+    t = Target.load(a.target)
     old = make_drafter(a.before, t)
-    fitted = json.load(open(a.calibration)).get(a.name, {}).get("map")
+    fitted = json.load(open(a.calibration)).get(entry_key(a.name, t, a.target == "default"), {}).get("map")
     old.calibration = Calibration(fitted["xs"], fitted["ys"]) if fitted else Calibration()
     old.name = f"{a.name}_before"  # the live policy keeps its costs per name
     new = make_drafter(a.name, t)

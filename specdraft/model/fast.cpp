@@ -1096,10 +1096,7 @@ at::Tensor block(const at::Tensor& x_in, at::TensorList qkv_t, at::IntArrayRef q
   rms_rows(xp, M, H, eps, s_attn ? s_attn->data_ptr<float>() : nullptr, buf.data());
   quantize_rows(buf.data(), M, H, qx);
   linear_q(qx, M, wqkv, qkv.data(), nqkv);
-  if (bqkv) {
-    const float* bb = bqkv->data_ptr<float>();
-    for (int64_t m = 0; m < M; ++m) for (int64_t j = 0; j < nqkv; ++j) qkv[m * nqkv + j] = qkv[m * nqkv + j] + bb[j];
-  }
+  if (bqkv) add_bias(qkv.data(), M, nqkv, *bqkv, "fast block");
   if (qk_norm) {  // RMSNorm over each q and k head (Qwen3's layers, DFlash's), before RoPE
     const float* qn = qk_norm->data_ptr<float>();
     for (int64_t m = 0; m < M; ++m)

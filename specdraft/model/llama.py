@@ -115,8 +115,7 @@ class BlockTable(nn.Module):
         if self._q8 is None:
             self._q8 = self._q8_table()
         if self._q8 is not False:  # one C++ call: a pass's lookup costs ~0.1 ms less than numpy's dozen steps
-            ids = tokens.reshape(-1).cpu()
-            rows = torch.ops.specdraft_quant.fast_rows_q8(self._q8, ids if ids.dtype == torch.long else ids.long())
+            rows = torch.ops.specdraft_quant.fast_rows_q8(self._q8, tokens.reshape(-1).cpu().long())  # (no copy if int64)
             return rows.view(*tokens.shape, self.raw.cols).to(self._device)
         ids = tokens.reshape(-1).cpu().numpy()
         if ids.size and (ids.min() < 0 or ids.max() >= self.raw.rows):

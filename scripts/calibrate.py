@@ -28,6 +28,7 @@ import torch
 
 from specdraft.drafters import make_drafter
 from specdraft.drafters.calibration import CALIBRATION_FILE, Calibration, entry_key, fit, load_calibrations
+from specdraft.drafters.datastore import store_for
 from specdraft.drafters.ngram import NgramDrafter, lookup_key
 from specdraft.replay import greedy_outputs, sequence_hidden, simulate
 from specdraft.datasets import load_prompts
@@ -80,29 +81,46 @@ class RecordingLookup(NgramDrafter):
         return tree
 
 
-def fit_lookup(target, prompts, outputs, budget: int) -> tuple[dict, dict]:
-    d = RecordingLookup(table={})
-    d.seen = []
-    passes = replay(target, d, prompts, outputs, budget)
-    counts = defaultdict(lambda: [0, 0])  # key -> [accepted, nodes]
-    for (tree, path), scored in zip(passes, d.seen):
+class RecordingStoreLookup(RecordingLookup):
+    """The datastore's candidates alone: its cells measured as proposed, not behind the context's."""
+
+    def context_scored(self):
+        return []
+
+
+def count_cells(target, drafter, prompts, outputs, budget: int) -> dict:
+    """key -> [accepted, nodes] over every drafted node, in the cell of the first candidate reaching it."""
+    drafter.seen = []
+    passes = replay(target, drafter, prompts, outputs, budget)
+    counts = defaultdict(lambda: [0, 0])
+    for (tree, path), scored in zip(passes, drafter.seen):
         on = set(path)
         done = set()
-        for cont, n, rank in scored:
+        for cont, cell in scored:
             for depth, node in enumerate(tree.walk(cont), 1):
                 if node not in done:
                     done.add(node)
-                    c = counts[lookup_key(n, rank, depth)]
+                    c = counts[lookup_key(cell, depth)]
                     c[0] += node in on
                     c[1] += 1
-    by_depth = defaultdict(lambda: [0, 0])
+    return counts
+
+
+def fit_lookup(target, prompts, outputs, budget: int) -> tuple[dict, dict]:
+    """The context's cells replayed with the context alone, the shipped datastore's (``d...``) with the datastore
+    alone, each as the lookup proposes it; a sparse cell pulled towards its family's pooled rate at its depth."""
+    counts = count_cells(target, RecordingLookup(table={}), prompts, outputs, budget)
+    store = store_for(target)
+    if store is not None:
+        counts.update(count_cells(target, RecordingStoreLookup(table={}, store=store), prompts, outputs, budget))
+    family = lambda k: (k[0] == "d", k.rsplit(",", 1)[1])  # noqa: E731  (datastore or context, depth)
+    pooled = defaultdict(lambda: [0, 0])
     for k, (a, m) in counts.items():
-        dd = by_depth[k.rsplit(",", 1)[1]]
-        dd[0] += a
-        dd[1] += m
+        pooled[family(k)][0] += a
+        pooled[family(k)][1] += m
     table = {}
     for k, (a, m) in counts.items():
-        a0, m0 = by_depth[k.rsplit(",", 1)[1]]
+        a0, m0 = pooled[family(k)]
         table[k] = round((a + PRIOR * a0 / m0) / (m + PRIOR), 4)
     return table, {k: v for k, v in counts.items()}
 
@@ -160,18 +178,20 @@ def main() -> None:
     names = a.drafters.split(",")
     if "ngram" in names:
         table, counts = fit_lookup(target, cal_ids, cal_out, a.budget)
-        fitted["ngram"] = {"table": table}
+        default = a.target == "default"  # the default target's table also serves targets without their own
+        fitted[entry_key("ngram", target, default)] = {"table": table} if default else \
+            {"target": target.weight_hash, "model": target.model_hash, "table": table}
         report["drafters"]["ngram"] = {"table": table, "counts": counts}
     for name in names:
         d = make_drafter(name, target, budget=a.budget)
         inner = getattr(d, "inner", d)
         if name == "ngram":
-            d.table = fitted["ngram"]["table"]
+            d.table = table
             cal = Calibration()
         else:
             inner.calibration = Calibration()  # raw scores out
-            if getattr(inner, "ngram", None) is not None and "ngram" in fitted:
-                inner.ngram.table = fitted["ngram"]["table"]
+            if getattr(inner, "ngram", None) is not None and "ngram" in names:
+                inner.ngram.table = table
         scores, acc = pairs_of(replay(target, d, cal_ids, cal_out, a.budget))
         if name != "ngram":
             cal = fit(scores, acc)

@@ -26,6 +26,7 @@ from specdraft.bench.runner import plot_cost_curve, run_bench
 from specdraft.bench.stats import format_comparison
 from specdraft.chat import ChatSession, run_chat
 from specdraft.drafters.budget import load_cost_curve, save_cost_curve
+from specdraft.drafters.datastore import build_store
 from specdraft.drafters.registry import AUTO, DEFAULT_DRAFTER, DRAFTERS, FALLBACK_DRAFTER, drafters_table
 from specdraft.engine import Engine
 from specdraft.errors import SpecdraftError, SpecdraftNote
@@ -215,6 +216,11 @@ def build_parser() -> argparse.ArgumentParser:
     df.add_argument("--batch-size", type=int, default=8)
     df.add_argument("--quiet", action="store_true")
     _add_target_args(df)
+    ds = dsub.add_parser("datastore", help="a datastore of the target's own answers for prompt lookup (`ngram`): "
+                         "every response of the data folders, indexed at load")
+    ds.add_argument("--data", required=True, action="append", help="data folder from `data build` (repeatable)")
+    ds.add_argument("--out", required=True, help="the datastore file (ship it as specdraft/weights/datastore_MODEL.safetensors)")
+    _add_target_args(ds)
     t = sub.add_parser("train", help="train a drafter on a data folder (resumable)")
     tsub = t.add_subparsers(dest="train_command", required=True)
     tp = tsub.add_parser("phrase", help="mine a phrase vocabulary and train the phrase head")
@@ -537,7 +543,7 @@ def cmd_drafters(args) -> None:
         print(drafters_table())
         return
     for line in drafters_table().splitlines()[2:]:  # the same rows as plain text
-        name, summary, options, weights = (c.strip().strip("`") for c in line.strip("|").split(" | "))
+        name, summary, options, weights = (c.strip().replace("`", "") for c in line.strip("|").split(" | "))
         print(f"{name:8s} {summary}\n         options: {options}; weights: {weights}")
 
 
@@ -562,6 +568,11 @@ def cmd_data(args) -> None:
         m = build_data(target, args.out, cfg, quiet=args.quiet)
         print(f"{m['sequences']} responses, {m['response_tokens']:,} response tokens, {len(m['shards'])} shards "
               f"in {args.out} ({m['wall_s'] / 60:.1f} min of regeneration)", file=sys.stderr)
+    elif args.data_command == "datastore":
+        for d in args.data:
+            read_manifest(Path(d))  # a clear error before the target loads
+        m = build_store(_engine(args).target, args.data, args.out)
+        print(f"{m['tokens']:,} response tokens of {m['answers']:,} answers in {args.out}", file=sys.stderr)
     else:
         layers = _layers(args.layers)
         target = _engine(args).target

@@ -98,14 +98,20 @@ def _fits(entry: dict, target) -> bool:
         (model is not None and model == getattr(target, "model_hash", None))
 
 
-def calibration_for(name: str, target=None, key: str = "map") -> Calibration:
-    """Drafter ``name``'s fitted map ``key`` for ``target``: the entry (``NAME`` or ``NAME@MODEL``) fitted on
-    these weights or another quantization of that model; the identity when none was fitted for this model."""
+def entry_for(name: str, target=None) -> dict:
+    """Drafter ``name``'s calibration entry for ``target``: the one (``NAME`` or ``NAME@MODEL``) fitted on these
+    weights or another quantization of that model, before one that names no target; {} when none fits."""
     cals = shipped_calibrations()
     entries = [cals[name]] if name in cals else []
     entries += [e for k, e in sorted(cals.items()) if k.partition("@")[0] == name and k != name]
-    entry = next((e for e in entries if _fits(e, target)), {})
-    m = entry.get(key)
+    entries.sort(key=lambda e: not e.get("target"))  # stable: a fitted target's entry first
+    return next((e for e in entries if _fits(e, target)), {})
+
+
+def calibration_for(name: str, target=None, key: str = "map") -> Calibration:
+    """Drafter ``name``'s fitted map ``key`` for ``target`` (``entry_for``); the identity when none was fitted
+    for this model."""
+    m = entry_for(name, target).get(key)
     return Calibration(m["xs"], m["ys"]) if m else Calibration()
 
 

@@ -102,7 +102,7 @@ class PhraseDrafter:
             return Tree.single(self.root)
         phrases, q = self.phrase_candidates(self.cfg.top_n)
         scored = self.ngram.scored() if self.ngram is not None else []
-        grams = [c for c, _, _ in scored]
+        grams = [c for c, _ in scored]
         a, b = (grams, phrases) if self.cfg.ngram_first else (phrases, grams)
         paths = [p for pair in zip(a, b) for p in pair] + a[len(b):] + b[len(a):]
         tree = Tree.from_paths(self.root, paths, budget=budget)

@@ -25,7 +25,8 @@ from specdraft.drafters.budget import default_budget
 from specdraft.drafters.calibration import Calibration, calibration_for
 from specdraft.drafters.combine import WithNgram
 from specdraft.drafters.hybrid import HybridDrafter, HybridOptions, load_hybrid
-from specdraft.drafters.ngram import NgramDrafter
+from specdraft.drafters.datastore import shipped_stores, store_for
+from specdraft.drafters.ngram import NgramDrafter, NgramOptions, lookup_table
 from specdraft.drafters.phrase import PhraseDrafter, PhraseOptions, load_phrase
 from specdraft.errors import SpecdraftError
 from specdraft.nn.checkpoint import checkpoint_kind, checkpoint_manifest, fits_target, load_draft_model
@@ -57,6 +58,12 @@ class DrafterSpec:
     scale_with_curve: bool = False  # without a budget profile, its budget follows the cost curve (budget policy rule 2)
 
 
+def load_ngram(target, ckpt, options: NgramOptions, name: str | None) -> NgramDrafter:
+    """Prompt lookup with the target's measured lookup table and, unless ``datastore=0``, its shipped datastore."""
+    store = store_for(target) if options.datastore and target is not None else None
+    return NgramDrafter(table=lookup_table(target), store=store)
+
+
 def _hybrid(name: str, summary: str, args: str) -> DrafterSpec:
     return DrafterSpec(name, summary, HybridOptions, load_hybrid, HybridDrafter.default_budget, kind="hybrid",
                        weights=f"{name}_smollm2_135m.safetensors",
@@ -75,8 +82,9 @@ def _block(name: str, summary: str, args: str) -> DrafterSpec:
 REGISTRY: dict[str, DrafterSpec] = {s.name: s for s in (
     DrafterSpec("none", "plain decoding: every pass verifies the root alone", NoOptions,
                 lambda target, ckpt, opts, name: NoDrafter(), 0),
-    DrafterSpec("ngram", "prompt lookup as a tree (training-free): continuations of earlier n-gram matches", NoOptions,
-                lambda target, ckpt, opts, name: NgramDrafter(), NgramDrafter.default_budget, scale_with_curve=True),
+    DrafterSpec("ngram", "prompt lookup as a tree (training-free): continuations of earlier n-gram matches in the "
+                "context and in a datastore of the target's own answers", NgramOptions, load_ngram,
+                NgramDrafter.default_budget, scale_with_curve=True),
     DrafterSpec("phrase", "MLP head over a vocabulary of 1-3 word phrases, expanded into one prefix tree with "
                 "prompt lookup", PhraseOptions, load_phrase, PhraseDrafter.default_budget, kind="phrase", weights="phrase_smollm2_135m.safetensors",
                 train=f"specdraft train phrase {DATA_HINT} --out {{path}}"),
@@ -241,5 +249,7 @@ def drafters_table() -> str:
     rows = ["| drafter | what it drafts with | options (`NAME@key=value`) | shipped weights |", "|---|---|---|---|"]
     for s in REGISTRY.values():
         shipped = ", ".join(f"`{f.name}`" for f in shipped_files(s.name)) if s.weights else "none needed"
+        if s.name == "ngram" and shipped_stores():
+            shipped += "; datastores " + ", ".join(f"`{f.name}`" for f in shipped_stores())
         rows.append(f"| `{s.name}` | {s.summary} | {option_defaults(s.options)} | {shipped} |")
     return "\n".join(rows)

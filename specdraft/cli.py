@@ -26,7 +26,6 @@ from specdraft.bench.runner import plot_cost_curve, run_bench
 from specdraft.bench.stats import format_comparison
 from specdraft.chat import ChatSession, run_chat
 from specdraft.drafters.budget import load_cost_curve, save_cost_curve
-from specdraft.drafters.datastore import build_store
 from specdraft.drafters.registry import AUTO, DEFAULT_DRAFTER, DRAFTERS, FALLBACK_DRAFTER, drafters_table
 from specdraft.engine import Engine
 from specdraft.errors import SpecdraftError, SpecdraftNote
@@ -36,7 +35,7 @@ from specdraft.model.fast import DEFAULT_PRECISION, PRECISIONS, kernel_info
 from specdraft.nn.phrase import FEATURE_LAYER
 from specdraft.server.queue import RequestQueue
 from specdraft.train.block import BlockTrainConfig, train_block
-from specdraft.train.data import BuildConfig, build_data, cache_features, read_manifest
+from specdraft.train.data import BuildConfig, build_data, build_datastore, cache_features, read_manifest
 from specdraft.nn.eagle3 import default_layers
 from specdraft.train.hybrid import HybridTrainConfig, train_hybrid
 from specdraft.train.phrase import PhraseTrainConfig, train_phrase
@@ -571,7 +570,7 @@ def cmd_data(args) -> None:
     elif args.data_command == "datastore":
         for d in args.data:
             read_manifest(Path(d))  # a clear error before the target loads
-        m = build_store(_engine(args).target, args.data, args.out)
+        m = build_datastore(_engine(args).target, args.data, args.out)
         print(f"{m['tokens']:,} response tokens of {m['answers']:,} answers in {args.out}", file=sys.stderr)
     else:
         layers = _layers(args.layers)

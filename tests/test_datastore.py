@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from specdraft.drafters import make_drafter
-from specdraft.drafters.datastore import Datastore, build_store, read_manifest, store_for
+from specdraft.drafters.datastore import Datastore, read_manifest, store_for
 from specdraft.drafters.ngram import NgramDrafter, lookup_key, store_cell
 from specdraft.errors import SpecdraftError
 from specdraft.generate import GenerateConfig, generate
@@ -125,10 +125,10 @@ def test_lookup_with_a_store_equals_plain_greedy(tiny_llama, seed):
 
 
 def test_build_store_from_data_folders(tiny_chat_target, tiny_train_data, tiny_llama, tmp_path):
-    from specdraft.train.data import load_sequences
+    from specdraft.train.data import build_datastore, load_sequences
 
     out = tmp_path / "store.safetensors"
-    m = build_store(tiny_chat_target, [tiny_train_data / "data"], out)
+    m = build_datastore(tiny_chat_target, [tiny_train_data / "data"], out)
     seqs = load_sequences(tiny_train_data / "data")
     assert m["answers"] == len(seqs) and m["tokens"] == sum(len(s.response) for s in seqs)
     assert m["target_hash"] == tiny_chat_target.weight_hash and m["data"][0]["sequences"] == len(seqs)
@@ -137,7 +137,7 @@ def test_build_store_from_data_folders(tiny_chat_target, tiny_train_data, tiny_l
     n, cands = store.lookup(first[:4], depth=3, k=4)
     assert n >= 1 and cands
     with pytest.raises(SpecdraftError, match="not the loaded target"):
-        build_store(tiny_llama[1], [tiny_train_data / "data"], tmp_path / "other.safetensors")
+        build_datastore(tiny_llama[1], [tiny_train_data / "data"], tmp_path / "other.safetensors")
 
 
 def test_the_default_target_ships_one(default_target, tiny_llama):

@@ -208,25 +208,3 @@ def store_for(target) -> Datastore | None:
             return _load_shared(path.resolve())
     return None
 
-
-def build_store(target, data_dirs: list[str | Path], out: str | Path) -> dict:
-    """Write a datastore of every response in ``data_dirs`` (data folders of ``target``'s own answers from
-    ``specdraft data build``) to ``out``; returns its manifest.  Give the held-out folder none of its answers:
-    a datastore that holds a measurement's answers measures nothing."""
-    from specdraft.train.data import check_data_target, data_sha256, load_sequences, read_manifest as read_data
-    responses, record = [], []
-    for d in data_dirs:
-        manifest = read_data(Path(d))
-        check_data_target(manifest, target, d)
-        seqs = load_sequences(d)
-        responses += [s.response for s in seqs]
-        record.append({"dir": str(d), "manifest_sha256": data_sha256(manifest), "sequences": len(seqs),
-                       "response_tokens": sum(len(s.response) for s in seqs)})
-    if not responses:
-        raise SpecdraftError("no responses in the data folders given")
-    store = Datastore.from_sequences(responses)
-    manifest = {"target_name": target.name, "target_hash": target.weight_hash,
-                "target_model": getattr(target, "model_hash", None), "data": record}
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    store.save(out, manifest)
-    return read_manifest(out)

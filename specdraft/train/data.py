@@ -33,6 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from specdraft.drafters.datastore import Datastore, read_manifest as read_store_manifest
 from specdraft.errors import SpecdraftError
 from specdraft.model.batched_decode import generate_batch
 from specdraft.model.llama import causal_mask
@@ -492,3 +493,25 @@ def data_hashes(manifest: dict) -> tuple[str, str]:
     """Every hash a checkpoint may have recorded for this data (``data_sha256``; the whole manifest's,
     as checkpoints made before it did)."""
     return data_sha256(manifest), manifest_sha256(manifest)
+
+
+def build_datastore(target, data_dirs: list[str | Path], out: str | Path) -> dict:
+    """Write a datastore of every response in ``data_dirs`` (data folders of ``target``'s own answers from
+    ``specdraft data build``) to ``out``; returns its manifest.  Give the held-out folder none of its answers:
+    a datastore that holds a measurement's answers measures nothing."""
+    responses, record = [], []
+    for d in data_dirs:
+        manifest = read_manifest(Path(d))
+        check_data_target(manifest, target, d)
+        seqs = load_sequences(d)
+        responses += [s.response for s in seqs]
+        record.append({"dir": str(d), "manifest_sha256": data_sha256(manifest), "sequences": len(seqs),
+                       "response_tokens": sum(len(s.response) for s in seqs)})
+    if not responses:
+        raise SpecdraftError("no responses in the data folders given")
+    store = Datastore.from_sequences(responses)
+    manifest = {"target_name": target.name, "target_hash": target.weight_hash,
+                "target_model": getattr(target, "model_hash", None), "data": record}
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    store.save(out, manifest)
+    return read_store_manifest(out)

@@ -51,6 +51,21 @@ def test_lookup_finds_the_longest_match_and_ranks_by_frequency(seed):
             assert any(a[i : i + n + len(cont)] == history[-n:] + cont for a in answers for i in range(len(a)))
 
 
+def test_many_matches_are_read_spread_out_and_ranked():
+    # "1 2" is followed by 3 in 30 answers, by 4 5 in 10 and by 4 6 in 20: 60 matches, 16 read, evenly spread
+    answers = [[1, 2, 3]] * 30 + [[1, 2, 4, 5]] * 10 + [[1, 2, 4, 6]] * 20
+    store = Datastore.from_sequences(answers, cap=16)
+    n, cands = store.lookup([1, 2], depth=2, k=3)
+    assert n == 2
+    # 3 and 4 first tokens in 8 of the 16 read matches each (first and last match read: both kinds are seen);
+    # under 4, "4 6" (5 of the 8) before "4 5" (3 of the 8)
+    conts = [c for c, _ in cands]
+    assert set(map(tuple, conts)) == {(3,), (4, 5), (4, 6)} and conts.index([4, 6]) < conts.index([4, 5])
+    assert all(share == pytest.approx(0.5) for _, share in cands)
+    assert store.lookup([1, 2], depth=0, k=3) == (0, []) and store.lookup([1, 2], depth=2, k=0) == (0, [])
+    assert store.lookup([1, 2], depth=2, k=3, min_n=0)[0] == 2  # min_n below 1 counts as 1
+
+
 def test_no_match_and_min_n():
     store = Datastore.from_sequences([[1, 2, 3], [4, 5]], max_n=3)
     assert store.lookup([9, 9], depth=4, k=4) == (0, [])
@@ -67,8 +82,9 @@ def test_round_trip_and_index_cache(tmp_path):
         store.save(path, {"target_name": "t", "target_hash": "h"})
         assert read_manifest(path)["tokens"] == 20 * 33 and read_manifest(path)["answers"] == 20
         cold = Datastore.load(path, cache=tmp_path / "cache")
-        warm = Datastore.load(path, cache=tmp_path / "cache")  # the index read back, not rebuilt
-        assert isinstance(warm.keys.base, np.memmap)
+        with pytest.MonkeyPatch.context() as mp:  # the index is read back, not rebuilt
+            mp.setattr(Datastore, "build_index", staticmethod(lambda *a: pytest.fail("the cached index was rebuilt")))
+            warm = Datastore.load(path, cache=tmp_path / "cache")
         for s in (store, cold, warm):
             assert s.lookup([1, 7, 8], depth=2, k=2) == (2, [([9], 1.0)])
             assert np.array_equal(s.stream, store.stream)
@@ -170,5 +186,6 @@ def test_each_shipped_datastore_names_its_model_and_lookup_table():
             entry = cals[f"ngram@{m['target_model'][:16]}"]
             assert entry["model"] == m["target_model"] and lookup_table(other) == entry["table"]
             assert any(k.startswith("d") for k in entry["table"])
-    assert any(k.startswith("d") for k in lookup_table(None))  # the default target's fit has datastore cells
+    # without a target, the default target's own fit (which phrase's calibration was fitted with), never another's
+    assert lookup_table(None) == cals["ngram"]["table"] and any(k.startswith("d") for k in lookup_table(None))
     assert store_for(SimpleNamespace(weight_hash="none", model_hash="none")) is None

@@ -104,8 +104,9 @@ def entry_for(name: str, target=None) -> dict:
     cals = shipped_calibrations()
     entries = [cals[name]] if name in cals else []
     entries += [e for k, e in sorted(cals.items()) if k.partition("@")[0] == name and k != name]
-    entries.sort(key=lambda e: not e.get("target"))  # stable: a fitted target's entry first
-    return next((e for e in entries if _fits(e, target)), {})
+    if target is not None:
+        entries.sort(key=lambda e: not e.get("target"))  # stable: this target's own entry first
+    return next((e for e in entries if _fits(e, target)), {})  # no target: the default target's entry
 
 
 def calibration_for(name: str, target=None, key: str = "map") -> Calibration:

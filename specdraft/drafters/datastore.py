@@ -27,6 +27,7 @@ import functools
 import hashlib
 import json
 import os
+import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from specdraft.errors import SpecdraftError
 MASK = (1 << 64) - 1
 PRIME = 0x100000001B3  # FNV-64's multiplier: odd, so the hash of a window is a bijection of its last token
 KIND = "datastore"
+INDEX_VERSION = 1  # of build_index's hashing and order: a cached index of another version is rebuilt
 WEIGHTS_DIR = Path(__file__).resolve().parents[1] / "weights"  # shipped files: datastore_MODEL.safetensors per target
 
 
@@ -61,19 +63,27 @@ class Datastore:
         self.manifest = manifest or {}
         if max_n < 1 or cap < 2:
             raise ValueError(f"a datastore needs max_n >= 1 and cap >= 2 (got {max_n}, {cap})")
-        self._tokens = array.array("q", self.stream.tobytes())  # the lookup's copy (below)
         if index is None:
             index = self.build_index(self.stream, max_n)
-        self.keys, self.starts = index  # [M] sorted n-gram hashes (uint64), [M] the continuation start of each
-        # the lookup's copies: the standard library's bisect and slices cost far less than a numpy call each,
-        # and after a target pass has evicted the caches a numpy call costs several microseconds
-        self._keys = array.array("Q", np.ascontiguousarray(self.keys, dtype=np.uint64).tobytes())
-        self._starts = array.array("i", np.ascontiguousarray(self.starts, dtype=np.int32).tobytes())
+        keys, starts = index  # [M] sorted n-gram hashes (uint64), [M] the continuation start of each
+        if len(keys) != len(starts):
+            raise ValueError(f"a datastore index needs as many starts as keys (got {len(starts)}, {len(keys)})")
+        # The lookup reads copies in the standard library's arrays: bisect and slices on them cost far less than
+        # a numpy call each, and after a target pass has evicted the caches a numpy call costs several
+        # microseconds.  The numpy index is not kept (it would double the memory).
+        self._tokens = array.array("q", self.stream.tobytes())
+        self._keys = array.array("Q", np.ascontiguousarray(keys, dtype=np.uint64).tobytes())
+        self._starts = array.array("i", np.ascontiguousarray(starts, dtype=np.int32).tobytes())
 
     @staticmethod
     def build_index(s: np.ndarray, max_n: int) -> tuple[np.ndarray, np.ndarray]:
-        keys, starts = [], []
+        """The index of stream ``s`` [T] (-1 between answers): every n-gram (n = 1 .. max_n) inside one answer that
+        a token of the same answer follows, as (hashes [M] uint64 sorted, continuation starts [M] int32); equal
+        hashes in stream order.  M is at most max_n * T."""
         T = len(s)
+        if T >= 2**31:
+            raise ValueError(f"a datastore holds fewer than 2^31 tokens (got {T:,})")
+        keys, starts = [], []
         e = np.arange(1, T)  # continuation starts; the n-gram before one is s[e-n : e]
         h = np.zeros(len(e), dtype=np.uint64)
         ok = s[e] >= 0  # something to continue with
@@ -85,11 +95,12 @@ class Datastore:
             keys.append(h[ok])
             starts.append(e[ok])
         keys_all = np.concatenate(keys)
-        order = np.argsort(keys_all, kind="stable")  # equal hashes keep stream order
-        return keys_all[order], np.concatenate(starts)[order].astype(np.int32)  # T < 2^31 tokens
+        order = np.argsort(keys_all, kind="stable")
+        return keys_all[order], np.concatenate(starts)[order].astype(np.int32)
 
     @classmethod
     def from_sequences(cls, sequences, **kw) -> "Datastore":
+        """A datastore of ``sequences`` (lists of token ids, e.g. a data folder's responses), in order."""
         stream: list[int] = []
         for seq in sequences:
             stream += list(seq) + [-1]
@@ -103,6 +114,9 @@ class Datastore:
         continuation starts with the same token) for the longest n-gram ending ``history`` that the datastore
         holds; (0, []) when none of n >= ``min_n`` occurs.  Order: the most frequent first token first, then,
         among continuations sharing it, the most frequent whole continuation."""
+        if depth < 1 or k < 1:
+            return 0, []
+        min_n = max(min_n, 1)
         q = suffix_hashes(history, self.max_n)
         keys = self._keys
         for n in range(len(q), min_n - 1, -1):  # the longest first: usually one or two searches
@@ -161,17 +175,31 @@ class Datastore:
         max_n, cap = int(manifest.get("max_n", 6)), int(manifest.get("cap", 16))
         index = None
         if cache is not None:
-            stem = f"{hashlib.sha256(stream.tobytes()).hexdigest()[:16]}_{max_n}"
+            stem = f"{hashlib.sha256(stream.tobytes()).hexdigest()[:16]}_{max_n}_v{INDEX_VERSION}"
             files = [cache / f"{stem}_keys.npy", cache / f"{stem}_starts.npy"]
             try:
-                index = tuple(np.load(p, mmap_mode="r").view(np.ndarray) for p in files)  # no memmap indexing cost
+                index = tuple(np.load(p, mmap_mode="r") for p in files)
             except (OSError, ValueError):  # not built yet, or torn: build it again
                 index = cls.build_index(stream, max_n)
-                cache.mkdir(parents=True, exist_ok=True)
-                for p, a in zip(files, index):
-                    tmp = p.with_name(p.name + ".tmp.npy")
-                    np.save(tmp, a)
-                    os.replace(tmp, p)
+                _save_index(files, index)
+        return cls(stream, max_n=max_n, cap=cap, manifest=manifest, index=index)
+
+
+def _save_index(files: list[Path], index: tuple[np.ndarray, np.ndarray]) -> None:
+    """Write the index for the next load: each file through its own temporary one (another process may be
+    writing the same index), and nothing lost but the saving when the cache cannot be written."""
+    tmp = None
+    try:
+        files[0].parent.mkdir(parents=True, exist_ok=True)
+        for p, a in zip(files, index):
+            fd, tmp = tempfile.mkstemp(dir=p.parent, suffix=".npy.tmp")
+            with os.fdopen(fd, "wb") as f:
+                np.save(f, a)
+            os.replace(tmp, p)
+            tmp = None
+    except OSError:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
         return cls(stream, max_n=max_n, cap=cap, manifest=manifest, index=index)
 
 

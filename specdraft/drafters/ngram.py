@@ -18,7 +18,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from specdraft.drafters.calibration import entry_for
-from specdraft.drafters.datastore import Datastore
+from specdraft.drafters.datastore import Datastore, store_for
 from specdraft.model.llama import ForwardOutput
 from specdraft.tree import Tree
 from specdraft.verify import Accepted
@@ -171,3 +171,10 @@ class NgramDrafter:
         scored = self.scored()
         tree = Tree.from_paths(root, [c for c, _ in scored], budget=budget)
         return tree.with_probs(self.node_probs(tree, scored)) if self.table and len(tree) > 1 else tree
+
+
+def load_ngram(target, ckpt, options: NgramOptions, name: str | None) -> NgramDrafter:
+    """The registry's builder: prompt lookup with ``target``'s measured lookup table and, unless ``datastore=0``,
+    its shipped datastore (none for another target: the context alone)."""
+    store = store_for(target) if options.datastore and target is not None else None
+    return NgramDrafter(table=lookup_table(target), store=store)

@@ -25,8 +25,8 @@ from specdraft.drafters.budget import default_budget
 from specdraft.drafters.calibration import Calibration, calibration_for
 from specdraft.drafters.combine import WithNgram
 from specdraft.drafters.hybrid import HybridDrafter, HybridOptions, load_hybrid
-from specdraft.drafters.datastore import shipped_stores, store_for
-from specdraft.drafters.ngram import NgramDrafter, NgramOptions, lookup_table
+from specdraft.drafters.datastore import shipped_stores
+from specdraft.drafters.ngram import NgramDrafter, NgramOptions, load_ngram
 from specdraft.drafters.phrase import PhraseDrafter, PhraseOptions, load_phrase
 from specdraft.errors import SpecdraftError
 from specdraft.nn.checkpoint import checkpoint_kind, checkpoint_manifest, fits_target, load_draft_model
@@ -56,12 +56,6 @@ class DrafterSpec:
     gpu_budget: int | None = None  # fallback on a GPU where it differs (a pass there costs about one token)
     lookup: bool = False  # its ``ngram=N`` option gives N tree nodes to prompt lookup (``WithNgram``)
     scale_with_curve: bool = False  # without a budget profile, its budget follows the cost curve (budget policy rule 2)
-
-
-def load_ngram(target, ckpt, options: NgramOptions, name: str | None) -> NgramDrafter:
-    """Prompt lookup with the target's measured lookup table and, unless ``datastore=0``, its shipped datastore."""
-    store = store_for(target) if options.datastore and target is not None else None
-    return NgramDrafter(table=lookup_table(target), store=store)
 
 
 def _hybrid(name: str, summary: str, args: str) -> DrafterSpec:

@@ -189,3 +189,17 @@ def test_each_shipped_datastore_names_its_model_and_lookup_table():
     # without a target, the default target's own fit (which phrase's calibration was fitted with), never another's
     assert lookup_table(None) == cals["ngram"]["table"] and any(k.startswith("d") for k in lookup_table(None))
     assert store_for(SimpleNamespace(weight_hash="none", model_hash="none")) is None
+
+
+def test_a_datastore_file_by_path(tiny_chat_target, tiny_train_data, tiny_llama, tmp_path):
+    from specdraft.train.data import build_datastore
+
+    out = tmp_path / "mine.safetensors"
+    build_datastore(tiny_chat_target, [tiny_train_data / "data"], out)
+    d = make_drafter(f"ngram@datastore={out}", tiny_chat_target)
+    assert d.store is not None and len(d.store) > 0
+    assert make_drafter("ngram", tiny_chat_target).store is None  # nothing ships for it
+    with pytest.raises(SpecdraftError, match="not of the loaded target"):
+        make_drafter(f"ngram@datastore={out}", tiny_llama[1])
+    with pytest.raises(SpecdraftError, match="option datastore must be 0, 1 or a datastore file"):
+        make_drafter(f"ngram@datastore={tmp_path / 'missing.safetensors'}", tiny_chat_target)

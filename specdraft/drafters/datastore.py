@@ -227,6 +227,16 @@ def _load_shared(path: Path) -> Datastore:
     return Datastore.load(path, cache=cache_dir() / "datastore")
 
 
+def load_store(path: str | Path, target=None) -> Datastore:
+    """The datastore file ``path`` (e.g. from `specdraft data datastore`), shared as ``store_for``'s; refused when
+    it was made from another model's answers than ``target``'s."""
+    from specdraft.nn.checkpoint import fits_target
+    manifest = read_manifest(path)
+    if target is not None and not fits_target(manifest, target):
+        raise SpecdraftError(f"{path} holds the answers of {manifest.get('target_name')!r}, not of the loaded target")
+    return _load_shared(Path(path).resolve())
+
+
 def store_for(target) -> Datastore | None:
     """The shipped datastore made from ``target``'s answers (these weights or another quantization of its model),
     loaded once per process and shared (read-only); None when none ships for it."""

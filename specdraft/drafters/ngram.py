@@ -16,9 +16,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 
 from specdraft.drafters.calibration import entry_for
-from specdraft.drafters.datastore import Datastore, store_for
+from specdraft.drafters.datastore import Datastore, load_store, store_for
+from specdraft.errors import SpecdraftError
 from specdraft.model.llama import ForwardOutput
 from specdraft.tree import Tree
 from specdraft.verify import Accepted
@@ -62,7 +64,13 @@ class NgramConfig:
 class NgramOptions:
     """``ngram@key=value,...``."""
 
-    datastore: bool = True  # also look up the target's shipped datastore of its own answers (when one ships for it)
+    # the datastore of the target's own answers also looked up: 1 = the one shipped for the target (if any), 0 = none
+    # (the context alone), or a datastore file's path (`specdraft data datastore`)
+    datastore: str = "1"
+
+    def __post_init__(self) -> None:
+        if self.datastore not in ("0", "1") and not Path(self.datastore).is_file():
+            raise SpecdraftError(f"option datastore must be 0, 1 or a datastore file (no file {self.datastore!r})")
 
 
 class NgramDrafter:
@@ -174,7 +182,11 @@ class NgramDrafter:
 
 
 def load_ngram(target, ckpt, options: NgramOptions, name: str | None) -> NgramDrafter:
-    """The registry's builder: prompt lookup with ``target``'s measured lookup table and, unless ``datastore=0``,
-    its shipped datastore (none for another target: the context alone)."""
-    store = store_for(target) if options.datastore and target is not None else None
+    """The registry's builder: prompt lookup with ``target``'s measured lookup table and the datastore ``datastore``
+    names (the shipped one: none for a target without one, then the context alone)."""
+    store = None
+    if options.datastore == "1" and target is not None:
+        store = store_for(target)
+    elif options.datastore != "0":
+        store = load_store(options.datastore, target)
     return NgramDrafter(table=lookup_table(target), store=store)

@@ -203,3 +203,7 @@ def test_a_datastore_file_by_path(tiny_chat_target, tiny_train_data, tiny_llama,
         make_drafter(f"ngram@datastore={out}", tiny_llama[1])
     with pytest.raises(SpecdraftError, match="option datastore must be 0, 1 or a datastore file"):
         make_drafter(f"ngram@datastore={tmp_path / 'missing.safetensors'}", tiny_chat_target)
+
+
+def test_ngram_without_a_target_has_no_datastore():
+    assert make_drafter("ngram").store is None and make_drafter("ngram@datastore=0").store is None

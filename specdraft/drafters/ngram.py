@@ -184,9 +184,10 @@ class NgramDrafter:
 def load_ngram(target, ckpt, options: NgramOptions, name: str | None) -> NgramDrafter:
     """The registry's builder: prompt lookup with ``target``'s measured lookup table and the datastore ``datastore``
     names (the shipped one: none for a target without one, then the context alone)."""
-    store = None
-    if options.datastore == "1" and target is not None:
-        store = store_for(target)
-    elif options.datastore != "0":
+    if options.datastore == "1":
+        store = store_for(target) if target is not None else None
+    elif options.datastore == "0":
+        store = None
+    else:
         store = load_store(options.datastore, target)
     return NgramDrafter(table=lookup_table(target), store=store)

@@ -90,6 +90,15 @@ def test_round_trip_and_index_cache(tmp_path):
             assert np.array_equal(s.stream, store.stream)
 
 
+def test_an_unwritable_cache_costs_only_the_saving(tmp_path):
+    path = tmp_path / "store.safetensors"
+    Datastore.from_sequences([[1, 2, 3], [1, 2, 4]]).save(path, {"target_name": "t", "target_hash": "h"})
+    blocked = tmp_path / "not_a_folder"
+    blocked.write_text("a file where the cache folder would go")
+    store = Datastore.load(path, cache=blocked / "datastore")  # mkdir fails: the index is built, not saved
+    assert store.lookup([1, 2], depth=1, k=2) == (2, [([3], 0.5), ([4], 0.5)])
+
+
 def test_bad_files_are_clear_errors(tmp_path):
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"not a safetensors file")

@@ -200,7 +200,6 @@ def _save_index(files: list[Path], index: tuple[np.ndarray, np.ndarray]) -> None
     except OSError:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
-        return cls(stream, max_n=max_n, cap=cap, manifest=manifest, index=index)
 
 
 def read_manifest(path: str | Path) -> dict:

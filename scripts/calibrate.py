@@ -113,7 +113,9 @@ def fit_lookup(target, prompts, outputs, budget: int) -> tuple[dict, dict]:
     store = store_for(target)
     if store is not None:
         counts.update(count_cells(target, RecordingStoreLookup(table={}, store=store), prompts, outputs, budget))
-    family = lambda k: (k[0] == "d", k.rsplit(",", 1)[1])  # noqa: E731  (datastore or context, depth)
+    def family(key: str) -> tuple[bool, str]:  # (a datastore cell, its depth)
+        return key[0] == "d", key.rsplit(",", 1)[1]
+
     pooled = defaultdict(lambda: [0, 0])
     for k, (a, m) in counts.items():
         pooled[family(k)][0] += a

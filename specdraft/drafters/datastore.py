@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from specdraft.errors import SpecdraftError
+from specdraft.nn.checkpoint import MANIFEST_KEY, fits_target
 
 MASK = (1 << 64) - 1
 PRIME = 0x100000001B3  # FNV-64's multiplier: odd, so the hash of a window is a bijection of its last token
@@ -144,7 +145,9 @@ class Datastore:
         best = sorted(rows, key=lambda r: (-first[r[0]], -rows[r]))[:k]
         return [(list(r), first[r[0]] / m) for r in best]
 
-    def save(self, path: str | Path, manifest: dict) -> None:
+    def save(self, path: str | Path, manifest: dict) -> dict:
+        """Write the datastore to ``path`` with ``manifest`` (naming the target) and its counts; returns the file's
+        manifest."""
         from safetensors.numpy import save
         for key in ("target_name", "target_hash"):
             if key not in manifest:
@@ -156,19 +159,17 @@ class Datastore:
             tokens[tokens < 0] = 65535
         meta = {"kind": KIND, "tokens": int((self.stream >= 0).sum()), "answers": int((self.stream < 0).sum()),
                 "max_n": self.max_n, "cap": self.cap, **manifest}
-        blob = save({"tokens": tokens.astype(dtype)}, metadata={"specdraft_manifest": json.dumps(meta)})
+        blob = save({"tokens": tokens.astype(dtype)}, metadata={MANIFEST_KEY: json.dumps(meta)})
         tmp = Path(path).with_name(Path(path).name + ".tmp")
         tmp.write_bytes(blob)
         os.replace(tmp, path)  # never a torn file
+        return meta
 
     @classmethod
     def load(cls, path: str | Path, cache: Path | None = None) -> "Datastore":
         """The datastore in ``path``; its index is read from ``cache`` (a folder) when built there before, else
         built (about 0.7 s per 400k tokens on 2 cores) and saved there."""
-        manifest = read_manifest(path)
-        from safetensors import safe_open
-        with safe_open(str(path), framework="np") as f:
-            tokens = f.get_tensor("tokens")
+        manifest, tokens = _read(path, tensors=True)
         stream = tokens.astype(np.int64)
         if tokens.dtype == np.uint16:
             stream[stream == 65535] = -1
@@ -204,15 +205,20 @@ def _save_index(files: list[Path], index: tuple[np.ndarray, np.ndarray]) -> None
 
 def read_manifest(path: str | Path) -> dict:
     """A datastore file's manifest, from its header alone; one SpecdraftError for anything else."""
+    return _read(path, tensors=False)[0]
+
+
+def _read(path: str | Path, tensors: bool) -> tuple[dict, np.ndarray | None]:
+    """(manifest, its ``tokens`` when ``tensors``) of a datastore file, in one open."""
     from safetensors import safe_open
     try:
         with safe_open(str(path), framework="np") as f:
-            manifest = json.loads((f.metadata() or {})["specdraft_manifest"])
+            manifest = json.loads((f.metadata() or {})[MANIFEST_KEY])
+            if isinstance(manifest, dict) and manifest.get("kind") == KIND:
+                return manifest, (f.get_tensor("tokens") if tensors else None)
     except Exception as e:  # safetensors' own error types, a missing key, bad JSON: all the same to the user
         raise SpecdraftError(f"{path} is not a specdraft datastore ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("kind") != KIND:
-        raise SpecdraftError(f"{path} holds no specdraft datastore")
-    return manifest
+    raise SpecdraftError(f"{path} holds no specdraft datastore")
 
 
 def shipped_stores() -> list[Path]:
@@ -229,7 +235,6 @@ def _load_shared(path: Path) -> Datastore:
 def load_store(path: str | Path, target=None) -> Datastore:
     """The datastore file ``path`` (e.g. from `specdraft data datastore`), shared as ``store_for``'s; refused when
     it was made from another model's answers than ``target``'s."""
-    from specdraft.nn.checkpoint import fits_target
     manifest = read_manifest(path)
     if target is not None and not fits_target(manifest, target):
         raise SpecdraftError(f"{path} holds the answers of {manifest.get('target_name')!r}, not of the loaded target")
@@ -239,7 +244,6 @@ def load_store(path: str | Path, target=None) -> Datastore:
 def store_for(target) -> Datastore | None:
     """The shipped datastore made from ``target``'s answers (these weights or another quantization of its model),
     loaded once per process and shared (read-only); None when none ships for it."""
-    from specdraft.nn.checkpoint import fits_target
     for path in shipped_stores():
         if fits_target(read_manifest(path), target):
             return _load_shared(path.resolve())

@@ -33,7 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from specdraft.drafters.datastore import Datastore, read_manifest as read_store_manifest
+from specdraft.drafters.datastore import Datastore
 from specdraft.errors import SpecdraftError
 from specdraft.model.batched_decode import generate_batch
 from specdraft.model.llama import causal_mask
@@ -513,5 +513,4 @@ def build_datastore(target, data_dirs: list[str | Path], out: str | Path) -> dic
     manifest = {"target_name": target.name, "target_hash": target.weight_hash,
                 "target_model": getattr(target, "model_hash", None), "data": record}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    store.save(out, manifest)
-    return read_store_manifest(out)
+    return store.save(out, manifest)

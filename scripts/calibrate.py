@@ -15,6 +15,13 @@ the fitted maps' reliability is also measured on those prompts (not used for fit
 
 With ``--target FILE.gguf`` the maps are fitted for that target's shipped weights and written under
 ``NAME@MODEL`` (``calibration.entry_key``) beside the default target's.
+
+With ``--temperature T`` the greedy maps are left as they are: the same prompts' answers are *sampled* at T
+(seeded) and replayed with each drafter as shipped, and a second map from a node's calibrated probability to its
+acceptance under sampling is fitted (the entry's ``sampled`` map for T, ``calibration.sampled_calibration``).
+
+    python scripts/calibrate.py --prompts 48 --drafters ngram,phrase --temperature 0.7 \
+        --out docs/results/calibration_sampled [--check ...] [--write]
 """
 
 from __future__ import annotations
@@ -27,15 +34,17 @@ from pathlib import Path
 import torch
 
 from specdraft.drafters import make_drafter
-from specdraft.drafters.calibration import CALIBRATION_FILE, Calibration, entry_key, fit, load_calibrations
+from specdraft.drafters.calibration import (CALIBRATION_FILE, Calibration, entry_key, fit, fit_probabilities,
+                                            load_calibrations)
 from specdraft.drafters.datastore import store_for
 from specdraft.drafters.ngram import NgramDrafter, lookup_key
-from specdraft.replay import greedy_outputs, sequence_hidden, simulate
+from specdraft.replay import greedy_outputs, reference_outputs, sequence_hidden, simulate
 from specdraft.datasets import load_prompts
 from specdraft.model.load import cache_dir
 from specdraft.target import Target
 from specdraft.train.prompts import REASONING_TASKS, TRAIN_SEED_BASE, _rg_prompts, magpie_prompts
 from specdraft.train.sources import codeio_rows
+from specdraft.verify import Sampling
 
 SEED = TRAIN_SEED_BASE + 5_000  # seeds the training prompts never used
 PRIOR = 2.0  # pseudo-counts pulling a sparse lookup cell towards its depth's pooled rate
@@ -160,6 +169,9 @@ def main() -> None:
     ap.add_argument("--check", nargs="*", default=[])
     ap.add_argument("--out", default="docs/results/calibration")
     ap.add_argument("--target", default="default", help="the target whose drafters are fitted (default: the default target)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="> 0: fit the drafters' maps to acceptance under sampling at this temperature (seeded)")
+    ap.add_argument("--seed", type=int, default=0, help="the sampling seed with --temperature")
     ap.add_argument("--write", action="store_true", help=f"write the fitted maps into {CALIBRATION_FILE}")
     a = ap.parse_args()
     torch.manual_seed(0)
@@ -169,6 +181,9 @@ def main() -> None:
     cal_texts = calibration_prompts(a.prompts, target)
     cal_ids = [target.encode_prompt(t) for t in cal_texts]
     cache = cache_dir() / "calibration"  # the greedy outputs (regenerated when the prompts or target change)
+    if a.temperature > 0:
+        fit_sampled(a, target, cal_ids, cache, out)
+        return
     cal_out = greedy_outputs(target, cal_ids, a.max_new, cache=cache / "greedy_calibration.json", quiet=False)
     checks = {}
     for f in a.check:
@@ -213,13 +228,57 @@ def main() -> None:
         print(f"wrote {CALIBRATION_FILE}")
 
 
+def fit_sampled(a, target, cal_ids, cache: Path, out: Path) -> None:
+    """Each drafter's map from its calibrated node probability (as shipped) to acceptance under sampling at
+    ``a.temperature``, fitted on the calibration prompts' sampled answers; the ``--check`` sets' sampled answers
+    (another seed) measure it."""
+    s, tag = Sampling(temperature=a.temperature), f"{a.temperature:g}"
+
+    def sampled(ids, name: str, seed: int):
+        return reference_outputs(target, ids, a.max_new, sampling=s, seed=seed, quiet=False,
+                                 cache=cache / f"sampled_{tag}_{name}.json")
+
+    cal_out = sampled(cal_ids, "calibration", a.seed)
+    checks = {}
+    for f in a.check:
+        ids = [target.encode_prompt(t) for t in load_prompts(f)]
+        checks[Path(f).stem] = (ids, sampled(ids, Path(f).stem, a.seed + 1))
+    fitted = load_calibrations()
+    report = {"target": target.weight_hash, "prompts": len(cal_ids), "max_new": a.max_new, "budget": a.budget,
+              "temperature": a.temperature, "drafters": {}}
+    for name in a.drafters.split(","):
+        d = make_drafter(name, target, budget=a.budget)
+        scores, acc = pairs_of(replay(target, d, cal_ids, cal_out, a.budget))
+        if not scores:
+            raise SystemExit(f"{name}: its trees carry no probabilities (no fitted calibration to start from)")
+        cal = fit_probabilities(scores, acc)
+        key = entry_key(name, target, a.target == "default")
+        fitted.setdefault(key, {}).setdefault("sampled", {})[tag] = cal.to_json()
+        rep = report["drafters"][name] = {"greedy-calibrated": reliability(scores, acc, Calibration()),
+                                          "calibration_set": reliability(scores, acc, cal)}
+        for cname, (ids, outs) in checks.items():
+            s2, a2 = pairs_of(replay(target, d, ids, outs, a.budget))
+            rep[f"{cname} greedy-calibrated"] = reliability(s2, a2, Calibration())
+            rep[cname] = reliability(s2, a2, cal)
+        print(name, json.dumps(rep["calibration_set"]))
+    (out / "reliability.json").write_text(json.dumps(report, indent=1))
+    plot(report, out / "reliability.png")
+    if a.write:
+        CALIBRATION_FILE.write_text(json.dumps(fitted, indent=1) + "\n")
+        print(f"wrote {CALIBRATION_FILE}")
+
+
 def plot(report: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
     names = list(report["drafters"])
-    fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4.5), squeeze=False)
-    for ax, name in zip(axes[0], names):
+    cols = min(3, len(names))
+    rows = -(-len(names) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 4.5 * rows), squeeze=False)
+    for ax in axes.flat[len(names):]:
+        ax.set_visible(False)
+    for ax, name in zip(axes.flat, names):
         for key, rows in report["drafters"][name].items():
             if not isinstance(rows, list) or not rows:
                 continue

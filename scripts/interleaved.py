@@ -2,11 +2,13 @@
 the same prompt before the next), so a machine whose pace drifts moves every method alike.
 
     python scripts/interleaved.py DATASET N SPEC [SPEC ...] [--max-new 192] [--static SPEC ...] [--out F.json]
-                                  [--target FILE.gguf]
+                                  [--target FILE.gguf] [--temperature T [--unmapped SPEC ...]]
     python scripts/interleaved.py docs/prompts/fresh_math.jsonl 8 phrase ngram phrase@budget=6
 
 A spec is a drafter as --drafter takes it; ``--static`` specs run with their trees as proposed (no cut).
-Prints tokens per pass, ms per pass, speed-up and whether every output equals plain greedy's.
+With ``--temperature`` every run samples (prompt i with seed i) and plain sampling is the base; ``--unmapped`` specs
+run without their ``sampled`` calibration map (their trees cut by the greedy probabilities).
+Prints tokens per pass, ms per pass, speed-up and whether every output equals plain decoding's.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from specdraft.drafters import make_drafter
 from specdraft.generate import GenerateConfig, generate
 from specdraft.model.fast import kernel_info
 from specdraft.target import Target
+from specdraft.verify import Sampling
 
 
-def interleave(target, prompts: list[list[int]], runs: dict, max_new: int, rotate: bool = False) -> dict:
+def interleave(target, prompts: list[list[int]], runs: dict, max_new: int, rotate: bool = False,
+               sampling: Sampling | None = None) -> dict:
     """Every run on each prompt before the next prompt.  ``runs``: key -> (drafter, dynamic), the first key plain
     decoding (the reference outputs and the base of the speed-ups); ``rotate``: the order turns by one each
     prompt (no method always runs first).  Returns per key the totals (tokens, passes, wall_s without prefill,
@@ -30,8 +34,8 @@ def interleave(target, prompts: list[list[int]], runs: dict, max_new: int, rotat
     tot = {key: {"tokens": 0, "passes": 0, "wall_s": 0.0, "draft_s": 0.0, "exact": 0} for key in keys}
     for i, ids in enumerate(prompts):
         order = keys[i % len(keys):] + keys[: i % len(keys)] if rotate else keys
-        outs = {key: generate(target, ids, runs[key][0], GenerateConfig(max_new_tokens=max_new, dynamic=runs[key][1]))
-                for key in order}
+        cfg = {"max_new_tokens": max_new} if sampling is None else {"max_new_tokens": max_new, "sampling": sampling, "seed": i}
+        outs = {key: generate(target, ids, runs[key][0], GenerateConfig(dynamic=runs[key][1], **cfg)) for key in order}
         for key, r in outs.items():
             t = tot[key]
             t["tokens"] += r.stats.new_tokens
@@ -58,15 +62,24 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=192)
     ap.add_argument("--out", default=None)
     ap.add_argument("--target", default="default", help="'default', a .gguf file or an HF folder")
+    ap.add_argument("--temperature", type=float, default=0.0, help="> 0: sample (prompt i with seed i)")
+    ap.add_argument("--unmapped", nargs="*", default=[], help="with --temperature: specs run without their sampled map")
     a = ap.parse_args()
     target = Target.load(a.target)
     prompts = [target.encode_prompt(p) for p in load_prompts(a.dataset, a.n)]
     runs = [("none", "none", True)] + [(s, s, True) for s in a.specs] + [(s + " (static)", s, False) for s in a.static]
+    runs += [(s + " (unmapped)", s, True) for s in a.unmapped]
     drafters = {key: make_drafter(spec, target) for key, spec, _ in runs}
+    for key in drafters:
+        if key.endswith(" (unmapped)"):  # a name with no calibration entry: no sampled map (and its own live gate)
+            drafters[key].name += "~unmapped"
+    sampling = Sampling(temperature=a.temperature) if a.temperature > 0 else None
     for key, _, dyn in runs:  # warm-up
         generate(target, prompts[0], drafters[key], GenerateConfig(max_new_tokens=16, dynamic=dyn))
-    tot = interleave(target, prompts, {key: (drafters[key], dyn) for key, _, dyn in runs}, a.max_new)
-    print(f"{a.dataset}, {len(prompts)} prompts, {a.max_new} tokens, kernel {kernel_info(target.model)['isa']}")
+    tot = interleave(target, prompts, {key: (drafters[key], dyn) for key, _, dyn in runs}, a.max_new,
+                     rotate=True, sampling=sampling)
+    mode = "greedy" if sampling is None else f"T={a.temperature:g}"
+    print(f"{a.dataset}, {len(prompts)} prompts, {a.max_new} tokens, {mode}, kernel {kernel_info(target.model)['isa']}")
     for key, _, _ in runs:
         t = tot[key]
         t["budget"] = drafters[key].default_budget
@@ -74,7 +87,8 @@ def main() -> None:
               f"(drafting {t['draft_ms']:.2f})  {t['tok_s']:6.1f} tok/s  {t['speedup']:.2f}x  exact {t['exact']}/{len(prompts)}")
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"dataset": a.dataset, "kernel": kernel_info(target.model), "runs": tot}, f, indent=1)
+            json.dump({"dataset": a.dataset, "kernel": kernel_info(target.model), "temperature": a.temperature,
+                       "runs": tot}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -39,8 +39,9 @@ from typing import Callable
 import torch
 
 from specdraft.drafters.base import Drafter, NoDrafter
-from specdraft.engine import Cancelled, Engine
 from specdraft.drafters.budget import BATCH_RULE, batch_budget, batch_rows, live_costs, load_cost_curve
+from specdraft.drafters.calibration import Calibration, rescored, sampled_calibration
+from specdraft.engine import Cancelled, Engine
 from specdraft.errors import SpecdraftError
 from specdraft.generate import (Emitter, GenerateConfig, GenerationResult, GenerationStats, TokenLogprob, catch_up,
                                 path_rows, plan)
@@ -167,6 +168,7 @@ class Sequence:
     limit: int  # slots the sequence may fill: prompt + max tokens + budget + 1 (``generate.Plan.slots``)
     cancel: threading.Event | None = None
     generator: torch.Generator | None = None  # its sampling stream (seeded as in ``generate``)
+    sampled: Calibration | None = None  # its drafter's node probabilities -> acceptance at its temperature (``generate``)
     length: int = 0  # committed slots (prompt rows prefilled, then committed tree rows)
     started: float = field(default_factory=time.perf_counter)
     stats: GenerationStats = field(default_factory=GenerationStats)
@@ -240,7 +242,8 @@ class Batcher:
         first = min(p.slots, len(prompt_ids) + p.budget + 1 + GROW_SLOTS)  # the prompt and a first stretch
         seq = Sequence(list(prompt_ids), cfg, self.drafter.fork(),
                        Emitter(self.target, p.max_new, cfg.stop, on_text, cfg.logprobs, on_logprobs),
-                       p.budget, self.slots.alloc(first), first, p.slots, cancel, p.generator)
+                       p.budget, self.slots.alloc(first), first, p.slots, cancel, p.generator,
+                       sampled_calibration(self.drafter.name, self.target, cfg.sampling.temperature))
         self.live.append(seq)
         return seq
 
@@ -298,7 +301,7 @@ class Batcher:
                     tree = Tree.single(s.root)  # drafts nothing: its drafter catches up later (``_catch_up``)
                 else:
                     self._catch_up(s)
-                    tree = s.drafter.propose(budget)
+                    tree = rescored(s.drafter.propose(budget), s.sampled)
                 self._check_tree(s, tree, budget)
             except Exception as e:  # this sequence fails, the others go on
                 self._leave(s, e)

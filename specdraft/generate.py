@@ -2,6 +2,7 @@
 
     prefill(prompt) -> first token (the first root) -> drafter.reset
     loop: tree = drafter.propose(budget), or the root alone where drafting does not pay (costs.drafting_pays)
+          sampling: its probabilities rescored to sampled acceptance (drafters.calibration.rescored)
           tree = costs.cut(tree)   (a scored tree: the nodes that pay on this machine, drafters.budget)
           logits = target.forward_tree(tree)
           accepted = verify(tree, logits); target.commit(accepted.path); drafter.commit(...)
@@ -21,6 +22,7 @@ from torch import Tensor
 
 from specdraft.drafters.base import Drafter, NoDrafter
 from specdraft.drafters.budget import LiveCosts, live_costs
+from specdraft.drafters.calibration import rescored, sampled_calibration
 from specdraft.errors import SpecdraftError
 from specdraft.target import Target
 from specdraft.tree import Tree
@@ -270,6 +272,7 @@ def generate(
     costs: LiveCosts | None = live_costs(target) if cfg.dynamic and budget > 0 else None
     if costs is not None:
         costs.start(drafter.name)
+    smap = sampled_calibration(drafter.name, target, s.temperature) if costs is not None else None
     deferred: list[tuple[list[int], dict]] = []  # passes the drafter has not seen while drafting paused (catch_up)
     while not done:
         t0 = time.perf_counter()
@@ -278,12 +281,13 @@ def generate(
             catch_up(drafter, deferred)
         tc = time.perf_counter()
         if costs is not None and isinstance(getattr(drafter, "floor", None), float):
-            drafter.floor = costs.floor(drafter.name)  # serial drafters stop where no path can pay
+            floor = costs.floor(drafter.name)  # serial drafters stop where no path can pay
+            drafter.floor = floor if smap is None else smap.below(floor)  # sampling: where no path's rescored p can
         t1 = time.perf_counter()
         tree = drafter.propose(budget) if drafting else Tree.single(root)
         t2 = time.perf_counter()
         if costs is not None:
-            tree = costs.cut(tree, drafter.name)
+            tree = costs.cut(rescored(tree, smap), drafter.name)
         out = target.forward_tree(tree, hidden_layers=drafter.hidden_layers)
         t3 = time.perf_counter()
         acc = verify(tree, out.logits[0], s, gen)

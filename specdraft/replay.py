@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -21,23 +22,39 @@ from tqdm import tqdm
 
 from specdraft.model.batched_decode import generate_batch
 from specdraft.model.llama import ForwardOutput, causal_mask
-from specdraft.verify import Accepted
+from specdraft.verify import Accepted, Sampling
 
 
 @torch.inference_mode()
 def greedy_outputs(target, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 10,
                    cache: str | Path | None = None, quiet: bool = True) -> list[list[int]]:
     """Greedy continuations (EOS kept when produced), batched; cached in ``cache`` (JSON) if given."""
+    return reference_outputs(target, prompts, max_new_tokens, batch_size=batch_size, cache=cache, quiet=quiet)
+
+
+@torch.inference_mode()
+def reference_outputs(target, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling | None = None,
+                      seed: int = 0, batch_size: int = 10, cache: str | Path | None = None,
+                      quiet: bool = True) -> list[list[int]]:
+    """The target's own continuations (EOS kept when produced), batched: greedy, or drawn with ``sampling`` from
+    a stream seeded ``seed``.  Replaying a sampled continuation measures sampled verification as replaying a
+    greedy one measures greedy: each token is a draw from the target's distribution after the tokens before it,
+    which is what sample-then-match verification compares a drafted node with.  Cached in ``cache`` (JSON)."""
+    s = sampling or Sampling()
     key = {"target": target.weight_hash, "precision": target.model.precision, "max_new_tokens": max_new_tokens,
            "prompts": prompts}
+    if not s.greedy:
+        key["sampling"] = {**asdict(s), "seed": seed}
     if cache is not None and Path(cache).is_file():
         d = json.loads(Path(cache).read_text())
         if d["key"] == key:
             return d["outputs"]
+    gen = None if s.greedy else torch.Generator(device=target.device).manual_seed(seed)
     outs: list[list[int]] = []
-    for i in tqdm(range(0, len(prompts), batch_size), desc="greedy outputs", disable=quiet):
+    desc = "greedy outputs" if s.greedy else f"sampled outputs (T={s.temperature:g})"
+    for i in tqdm(range(0, len(prompts), batch_size), desc=desc, disable=quiet):
         chunk = prompts[i : i + batch_size]
-        res = generate_batch(target.model, chunk, max_new_tokens, target.eos_ids)
+        res = generate_batch(target.model, chunk, max_new_tokens, target.eos_ids, sampling=s, generator=gen)
         for toks, fin in zip(res.tokens, res.finished):
             outs.append(list(toks) + ([min(target.eos_ids)] if fin and (not toks or toks[-1] not in target.eos_ids) else []))
     if cache is not None:

@@ -500,3 +500,30 @@ def test_trees_cut_together_in_a_batch_change_no_answer(fast_target, drafter, mo
     got = {tuple(s.prompt_ids): s.result.token_ids for s in seqs}
     assert [got[tuple(p)] for p in ps] == refs
     assert costs.live and max(costs.live) > 4  # passes were timed, some with drafted rows
+
+
+def test_sampled_maps_rescore_a_batch_per_sequence(fast_target, monkeypatch):
+    """In a batch each sampling sequence rescores its trees with its drafter's ``sampled`` map at its own
+    temperature before the cut (``generate`` does the same): a map to 0 keeps no drafted row of those sequences,
+    the greedy one drafts; every answer equals the same request alone."""
+    import specdraft.batch as batch_module
+    from specdraft.drafters import calibration as C
+    from specdraft.drafters.budget import LiveCosts
+
+    costs = LiveCosts({"n": list(range(1, 65)), "ms": [1.0 + 0.05 * n for n in range(1, 65)]})
+    monkeypatch.setattr(batch_module, "live_costs", lambda target: costs)
+    zero = {"xs": [0.0, 1.0], "ys": [0.0, 0.0]}
+    monkeypatch.setattr(C, "shipped_calibrations", lambda: {"ngram": {"sampled": {"0.7": zero}}})
+    ps = prompts((6, 30, 12))
+    ps = [p * 3 for p in ps]  # repeats: prompt lookup finds continuations
+    cfgs = [GenerateConfig(max_new_tokens=24, sampling=Sampling(temperature=0.7), seed=1),
+            GenerateConfig(max_new_tokens=24),
+            GenerateConfig(max_new_tokens=24, sampling=Sampling(temperature=0.7), seed=2)]
+    d = NgramDrafter(table={"1,0,1": 0.9, "2,0,1": 0.9, "3,0,1": 0.9, "4,0,1": 0.9, "4,0,2": 0.9, "4,0,3": 0.9})
+    d.default_budget = 3
+    engine = Engine(twin(fast_target), d)
+    alone = [Engine(twin(fast_target)).generate(p, c).token_ids for p, c in zip(ps, cfgs)]
+    seqs = run_batch(Batcher(engine, max_batch=3, prefill_rows=16), list(zip(ps, cfgs)))
+    got = {tuple(x.prompt_ids): x.result for x in seqs}
+    assert [got[tuple(p)].token_ids for p in ps] == alone
+    assert [got[tuple(p)].stats.tree_nodes > 0 for p in ps] == [False, True, False]

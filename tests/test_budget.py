@@ -126,6 +126,20 @@ def test_calibration_fit_and_scores():
     assert [round(p, 4) for p in scored.probs] == [1.0, 0.9048, 0.6065]
 
 
+def test_fit_probabilities_resolves_the_confident_nodes():
+    """Equal-width bins: 1,000 unlikely nodes do not swallow the 200 confident ones; a sparse bin joins the next one
+    up (the last the one below); violations pool."""
+    from specdraft.drafters.calibration import fit_probabilities
+
+    probs = [0.02] * 1000 + [0.52] * 100 + [0.83] * 100 + [0.97] * 10
+    acc = [False] * 990 + [True] * 10 + [True] * 30 + [False] * 70 + [True] * 60 + [False] * 40 + [True] * 10
+    cal = fit_probabilities(probs, acc)
+    assert [round(x, 4) for x in cal.xs] == [0.02, 0.52, round((83 + 9.7) / 110, 4)]
+    assert [round(y, 4) for y in cal.ys] == [0.01, 0.3, round(70 / 110, 4)]
+    pooled = fit_probabilities([0.3] * 100 + [0.6] * 100, [True] * 50 + [False] * 50 + [True] * 20 + [False] * 80)
+    assert [round(y, 4) for y in pooled.ys] == [0.35]
+
+
 def test_auto_is_phrase_where_its_weights_fit_else_ngram(tiny_llama, default_target):
     assert make_drafter("auto", default_target).name == "phrase"
     assert make_drafter("auto", tiny_llama[1]).name == "ngram"  # phrase's weights refuse another target

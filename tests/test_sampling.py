@@ -147,3 +147,60 @@ def test_a_top_p_below_float32_range_keeps_the_most_likely_token():
     ids, p = candidates(logits, Sampling(temperature=1.0, top_p=1.477982095968267e-256))
     assert ids.tolist() == [1] and p.tolist() == [1.0]
     assert sample(logits, Sampling(temperature=1.0, top_p=1e-300), torch.Generator().manual_seed(0)) == 1
+
+
+class ChainDrafter:
+    """Proposes the same 4-token chain after every root, each node scored 0.9 (``Tree.probs``)."""
+
+    name = "chain"
+    hidden_layers = ()
+    default_budget = 4
+
+    def reset(self, prompt_ids, first_token, prefill):
+        self.last = first_token
+
+    def commit(self, accepted, out):
+        self.last = accepted.bonus
+
+    def fork(self):
+        return ChainDrafter()
+
+    def propose(self, budget):
+        tree = Tree.from_paths(self.last, [[5, 6, 7, 8]], budget=budget)
+        return tree.with_probs([0.9] * len(tree))
+
+
+def test_sampled_maps_rescore_the_cut_under_sampling_only(tiny_llama, monkeypatch):
+    """A sampling generation passes its trees' probabilities through the drafter's ``sampled`` map fitted nearest its
+    temperature before the live cut (greedy ones do not): a map to 0 leaves every tree its root alone, the identity
+    keeps the nodes; the output is plain sampling's either way."""
+    import importlib
+
+    from specdraft.drafters import calibration as C
+    from specdraft.drafters.budget import LiveCosts
+
+    gen_module = importlib.import_module("specdraft.generate")
+    _, target, _ = tiny_llama
+    costs = LiveCosts({"n": list(range(1, 33)), "ms": [1.0 + 0.05 * n for n in range(1, 33)]})
+    monkeypatch.setattr(gen_module, "live_costs", lambda t: costs)
+    monkeypatch.setattr(costs, "drafting_pays", lambda name: True)
+    zero, same = {"xs": [0.0, 1.0], "ys": [0.0, 0.0]}, {"xs": [0.0, 1.0], "ys": [0.0, 1.0]}
+    monkeypatch.setattr(C, "shipped_calibrations", lambda: {"chain": {"sampled": {"0.7": zero, "1.5": same}}})
+    assert C.sampled_calibration("chain", target, 0.0) is None  # greedy: no map
+    assert C.sampled_calibration("chain", target, 0.9).ys == [0.0, 0.0]  # the nearest temperature's
+    assert C.sampled_calibration("chain", target, 1.2).ys == [0.0, 1.0]
+    assert C.sampled_calibration("other", target, 0.7) is None
+    half = C.rescored(Tree.from_paths(1, [[2, 3], [4]]).with_probs([1.0, 0.8, 0.6, 0.9]), C.Calibration([0, 1], [0, 0.5]))
+    assert half.probs == [1.0, 0.4, 0.3, 0.45]
+    m = C.Calibration([0.1, 0.5, 0.9], [0.05, 0.3, 0.6])  # a serial drafter's floor, carried back through the map
+    assert m.below(0.3) == 0.5 and abs(m(m.below(0.45)) - 0.45) < 1e-12
+    assert m.below(0.01) == 0.0 and m.below(0.7) == float("inf") and C.Calibration().below(0.2) == 0.2
+
+    greedy = generate(target, PROMPT, ChainDrafter(), GenerateConfig(max_new_tokens=12))
+    assert greedy.stats.tree_nodes > 0  # greedy trees are cut by their own probabilities
+    for temperature, drafted in ((0.7, False), (1.4, True)):
+        cfg = GenerateConfig(max_new_tokens=12, sampling=Sampling(temperature=temperature), seed=3)
+        plain = generate(target, PROMPT, None, cfg)
+        got = generate(target, PROMPT, ChainDrafter(), cfg)
+        assert got.token_ids == plain.token_ids
+        assert (got.stats.tree_nodes > 0) == drafted, temperature

@@ -7,6 +7,12 @@ of draft probabilities, a lookup's match length and depth) is mapped to that sha
 piecewise-linear ``Calibration`` fitted on replayed greedy outputs of training-source prompts
 (``scripts/calibrate.py``: pool-adjacent-violators over binned scores; its reliability diagrams are in
 docs/results/calibration/).  The fitted maps ship in ``specdraft/weights/calibration.json``.
+
+Sampling accepts less than greedy decoding: a node is kept when the target's draw equals it, not when it is
+the target's most likely token.  Each drafter's entry may hold ``sampled``: per temperature, a second monotone
+map from the greedy-calibrated probability to the acceptance measured on replayed *sampled* outputs
+(``calibrate.py --temperature T``); a sampling generation applies the one fitted nearest its temperature
+(``sampled_calibration``, ``rescored``).
 """
 
 from __future__ import annotations
@@ -47,6 +53,20 @@ class Calibration:
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return y0 if x1 == x0 else y0 + (y1 - y0) * (raw - x0) / (x1 - x0)
 
+    def below(self, y: float) -> float:
+        """The score under which this map gives less than ``y``: every raw < ``below(y)`` maps below y, none at or
+        above it does (0 where every score reaches y, inf where none does)."""
+        xs, ys = self.xs, self.ys
+        if not xs:
+            return max(y, 0.0)
+        if y <= ys[0]:
+            return 0.0
+        if y > ys[-1]:
+            return math.inf
+        i = bisect.bisect_left(ys, y)  # ys[i - 1] < y <= ys[i]
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return x0 + (x1 - x0) * (y - y0) / (y1 - y0)
+
     def to_json(self) -> dict:
         return {"xs": self.xs, "ys": self.ys}
 
@@ -66,6 +86,34 @@ def fit(scores: list[float], accepted: list[bool], bins: int = 20) -> Calibratio
         while len(blocks) > 1 and blocks[-2][1] / blocks[-2][2] >= blocks[-1][1] / blocks[-1][2]:
             s, a, n = blocks.pop()
             blocks[-1] = [blocks[-1][0] + s, blocks[-1][1] + a, blocks[-1][2] + n]
+    return Calibration([b[0] / b[2] for b in blocks], [b[1] / b[2] for b in blocks])
+
+
+def fit_probabilities(probs: list[float], accepted: list[bool], width: float = 0.05, least: int = 100) -> Calibration:
+    """A monotone map from probabilities already calibrated one way (greedy) to the acceptance observed another
+    (sampling): ``probs`` in bins ``width`` wide, a bin with fewer than ``least`` nodes merged into the next one up
+    (the last into the one below), then pool-adjacent-violators; one knot per pooled bin at its mean.  Equal-width
+    bins resolve the few confident nodes that decide a cut, where ``fit``'s equal-count bins spend their knots on
+    the many unlikely ones."""
+    bins: dict[int, list[float]] = {}
+    for p, a in zip(probs, accepted):
+        b = bins.setdefault(min(int(p / width), int(1 / width) - 1), [0.0, 0.0, 0])
+        b[0], b[1], b[2] = b[0] + p, b[1] + a, b[2] + 1
+    chunks: list[list[float]] = []
+    for k in sorted(bins):
+        if chunks and chunks[-1][2] < least:
+            chunks[-1] = [x + y for x, y in zip(chunks[-1], bins[k])]
+        else:
+            chunks.append(list(bins[k]))
+    if len(chunks) > 1 and chunks[-1][2] < least:
+        last = chunks.pop()
+        chunks[-1] = [x + y for x, y in zip(chunks[-1], last)]
+    blocks: list[list[float]] = []
+    for c in chunks:
+        blocks.append(c)
+        while len(blocks) > 1 and blocks[-2][1] / blocks[-2][2] >= blocks[-1][1] / blocks[-1][2]:
+            top = blocks.pop()
+            blocks[-1] = [x + y for x, y in zip(blocks[-1], top)]
     return Calibration([b[0] / b[2] for b in blocks], [b[1] / b[2] for b in blocks])
 
 
@@ -122,3 +170,24 @@ def with_scores(tree, raw: list[float], calibration: Calibration | None, log: bo
     if calibration is None or len(tree) == 1:
         return tree
     return tree.with_probs([1.0] + [calibration(math.exp(r) if log else r) for r in raw[1:]])
+
+
+def sampled_calibration(name: str, target, temperature: float) -> Calibration | None:
+    """Drafter ``name``'s map from a node's greedy-calibrated probability to its acceptance when the target samples
+    at ``temperature``: the one fitted at the nearest temperature (top-p and top-k, which raise acceptance, are
+    not modelled: the map errs low there); None for greedy decoding or where none was fitted."""
+    if temperature <= 0:
+        return None
+    maps = entry_for(name, target).get("sampled") or {}
+    if not maps:
+        return None
+    m = maps[min(maps, key=lambda t: abs(float(t) - temperature))]
+    return Calibration(m["xs"], m["ys"])
+
+
+def rescored(tree, calibration: Calibration | None):
+    """``tree`` with each node's probability passed through ``calibration`` (a monotone map keeps a child no likelier
+    than its parent); as it is without probabilities or a map."""
+    if calibration is None or not tree.probs or len(tree) == 1:
+        return tree
+    return tree.with_probs([1.0] + [calibration(p) for p in tree.probs[1:]])

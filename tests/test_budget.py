@@ -33,7 +33,7 @@ def test_registry_budgets(tiny_llama, monkeypatch):
 
 
 # ---------------------------------------------------------------------- live costs and the tree cut
-from specdraft.drafters.budget import BURST, PROBE, PROBE_MAX, SEEN, LiveCosts  # noqa: E402
+from specdraft.drafters.budget import BURST, PROBE, PROBE_MAX, SEEN, STALE, LiveCosts  # noqa: E402
 from specdraft.drafters.calibration import Calibration, fit, with_scores  # noqa: E402
 from specdraft.tree import Tree  # noqa: E402
 
@@ -68,6 +68,25 @@ def test_live_costs_follow_the_passes():
     costs.observe("d", 2, 10_000.0, 1.0, 0.5, 2, True)  # one preempted pass moves the average a little
     assert costs.pass_ms(2)[1] <= before * 1.06
     assert abs(costs.draft_ms("d") - 1.5) < 1e-9
+
+
+def test_a_size_not_seen_for_long_is_priced_by_the_curve_again():
+    """A size priced high once (the cut then never picks it, so it is never re-measured) gets the scaled curve back
+    after ``STALE`` passes without it; seen again, its average starts over."""
+    costs = LiveCosts(LINEAR)
+    for _ in range(SEEN):
+        costs.observe_pass(3, 40.0)  # 3-row passes once cost 40 ms against the curve's 14
+    assert costs.pass_ms(3)[2] > 30.0
+    for _ in range(STALE):
+        costs.observe_pass(1, 10.0)
+    assert costs.pass_ms(3)[2] > 30.0  # not stale yet
+    costs.observe_pass(1, 10.0)
+    assert costs.pass_ms(3)[2] < 20.0  # stale: the curve at the live pace
+    costs.observe_pass(3, 15.0)  # seen again: its average starts over (the curve until SEEN passes)
+    assert costs.live[3] == (15.0, 1) and costs.pass_ms(3)[2] < 20.0
+    for _ in range(SEEN):
+        costs.observe_pass(3, 15.0)
+    assert costs.pass_ms(3)[2] == 15.0 and costs.totals[3][1] == 2 * SEEN + 1
 
 
 def test_drafting_pauses_where_it_does_not_pay_and_probes():

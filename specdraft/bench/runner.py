@@ -187,7 +187,7 @@ def _live_of(target) -> dict | None:
     if costs is None or not costs.live:
         return None
     rows = sorted(costs.live)
-    return {"rows": rows, "passes": [costs.live[n][1] for n in rows], "live_ms": [costs.live[n][0] for n in rows],
+    return {"rows": rows, "passes": [costs.totals[n][1] for n in rows], "live_ms": [costs.live[n][0] for n in rows],
             "mean_ms": [costs.totals[n][0] / costs.totals[n][1] for n in rows],
             "curve_ms": [costs.curve_ms(n) for n in rows], "draft_ms": {d: costs.draft_ms(d) for d in costs.propose}}
 

@@ -159,6 +159,8 @@ def batch_rows(curve: dict | None, budget: int) -> int:
 # ---------------------------------------------------------------------- live costs and the tree cut
 EMA = 0.1  # weight of the newest pass in the moving averages
 SEEN = 8  # passes of one size after which its own average replaces the scaled curve
+STALE = 256  # passes after which a size not seen since loses its own average (the scaled curve again, and its
+# average starts over when next seen): else a size priced high once is never cut to again, so never re-measured
 CLIP = 1.5  # a pass counts as at most this many times the current estimate (a preempted pass is noise, not pace)
 PROBE = 16  # a drafter whose drafted steps do not pay pauses for this many steps, then probes ...
 PROBE_MAX = 128  # ... the pause doubling after each probe that leaves it paused, up to this (each new generation
@@ -173,7 +175,8 @@ class LiveCosts:
     """This machine's step costs as measured live (ms): a target pass over n rows and each drafter's
     drafting per pass.  A size seen ``SEEN`` times costs its own moving average; any other size the
     stored curve's time times the live/curve ratio averaged over every pass so far (the machine's
-    current pace).  A bigger pass is never counted as cheaper than a smaller one.  Per drafter it also
+    current pace), as does a size not seen for ``STALE`` passes.  A bigger pass is never counted as cheaper than a
+    smaller one.  Per drafter it also
     keeps what a drafted step gains (tokens) and costs (ms), so drafting stops where it does not pay."""
 
     def __init__(self, curve: dict, source: Path | None = None) -> None:
@@ -181,7 +184,9 @@ class LiveCosts:
         self.curve = {int(n): float(m) for n, m in zip(curve["n"], curve["ms"])}
         self.top = max(self.curve)
         self.scale = 1.0  # live / curve, averaged over passes
-        self.live: dict[int, tuple[float, int]] = {}  # rows -> (average ms, passes seen)
+        self.live: dict[int, tuple[float, int]] = {}  # rows -> (average ms, passes seen since it (re)started)
+        self.passes = 0  # passes observed
+        self.last: dict[int, int] = {}  # rows -> the pass (count) that last had that many rows
         self.totals: dict[int, list[float]] = {}  # rows -> [sum of the passes' ms as measured, passes]: their mean
         self.propose: dict[str, float] = {}  # drafter name -> average ms of a propose
         self.commit: dict[str, float] = {}  # drafter name -> average ms of its commit
@@ -202,7 +207,8 @@ class LiveCosts:
         out, worst = [], 0.0
         for n in range(1, most + 1):
             ms, seen = self.live.get(n, (0.0, 0))
-            worst = max(worst, ms if seen >= SEEN else self.scale * self.curve_ms(n))
+            own = seen >= SEEN and self.passes - self.last[n] <= STALE
+            worst = max(worst, ms if own else self.scale * self.curve_ms(n))
             out.append(worst)
         return out
 
@@ -242,7 +248,11 @@ class LiveCosts:
         total = self.totals.setdefault(rows, [0.0, 0])
         total[0] += pass_ms
         total[1] += 1
+        self.passes += 1
         avg, seen = self.live.get(rows, (pass_ms, 0))
+        if self.passes - self.last.get(rows, self.passes) > STALE:  # an old average: start it over
+            avg, seen = pass_ms, 0
+        self.last[rows] = self.passes
         pass_ms = min(pass_ms, CLIP * avg)
         self.live[rows] = (avg + EMA * (pass_ms - avg), seen + 1)
         self.scale += EMA * (min(pass_ms / self.curve_ms(rows), CLIP * self.scale) - self.scale)

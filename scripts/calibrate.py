@@ -19,6 +19,8 @@ With ``--target FILE.gguf`` the maps are fitted for that target's shipped weight
 With ``--temperature T`` the greedy maps are left as they are: the same prompts' answers are *sampled* at T
 (seeded) and replayed with each drafter as shipped, and a second map from a node's calibrated probability to its
 acceptance under sampling is fitted (the entry's ``sampled`` map for T, ``calibration.sampled_calibration``).
+A greedy refit replaces a drafter's whole entry, its sampled maps included (they map the old greedy
+probabilities): fit them again after it.
 
     python scripts/calibrate.py --prompts 48 --drafters ngram,phrase --temperature 0.7 \
         --out docs/results/calibration_sampled [--check ...] [--write]
@@ -253,7 +255,9 @@ def fit_sampled(a, target, cal_ids, cache: Path, out: Path) -> None:
             raise SystemExit(f"{name}: its trees carry no probabilities (no fitted calibration to start from)")
         cal = fit_probabilities(scores, acc)
         key = entry_key(name, target, a.target == "default")
-        fitted.setdefault(key, {}).setdefault("sampled", {})[tag] = cal.to_json()
+        if key not in fitted:  # a sampled map refines a greedy one: an entry without it would fit any target
+            raise SystemExit(f"{name}: no greedy calibration {key!r} for this target to refine; fit that first")
+        fitted[key].setdefault("sampled", {})[tag] = cal.to_json()
         rep = report["drafters"][name] = {"greedy-calibrated": reliability(scores, acc, Calibration()),
                                           "calibration_set": reliability(scores, acc, cal)}
         for cname, (ids, outs) in checks.items():

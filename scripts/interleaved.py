@@ -6,6 +6,7 @@ the same prompt before the next), so a machine whose pace drifts moves every met
     python scripts/interleaved.py docs/prompts/fresh_math.jsonl 8 phrase ngram phrase@budget=6
 
 A spec is a drafter as --drafter takes it; ``--static`` specs run with their trees as proposed (no cut).
+The order of the runs turns by one each prompt (no method always runs first).
 With ``--temperature`` every run samples (prompt i with seed i) and plain sampling is the base; ``--unmapped`` specs
 run without their ``sampled`` calibration map (their trees cut by the greedy probabilities).
 Prints tokens per pass, ms per pass, speed-up and whether every output equals plain decoding's.
@@ -69,13 +70,16 @@ def main() -> None:
     prompts = [target.encode_prompt(p) for p in load_prompts(a.dataset, a.n)]
     runs = [("none", "none", True)] + [(s, s, True) for s in a.specs] + [(s + " (static)", s, False) for s in a.static]
     runs += [(s + " (unmapped)", s, True) for s in a.unmapped]
+    if a.unmapped and a.temperature <= 0:
+        ap.error("--unmapped needs --temperature (greedy decoding uses no sampled map)")
     drafters = {key: make_drafter(spec, target) for key, spec, _ in runs}
     for key in drafters:
-        if key.endswith(" (unmapped)"):  # a name with no calibration entry: no sampled map (and its own live gate)
-            drafters[key].name += "~unmapped"
+        if key.endswith(" (unmapped)"):  # no sampled map; its own name keeps its live gate apart
+            drafters[key].sampled, drafters[key].name = {}, drafters[key].name + "~unmapped"
     sampling = Sampling(temperature=a.temperature) if a.temperature > 0 else None
+    warm = {} if sampling is None else {"sampling": sampling, "seed": 0}
     for key, _, dyn in runs:  # warm-up
-        generate(target, prompts[0], drafters[key], GenerateConfig(max_new_tokens=16, dynamic=dyn))
+        generate(target, prompts[0], drafters[key], GenerateConfig(max_new_tokens=16, dynamic=dyn, **warm))
     tot = interleave(target, prompts, {key: (drafters[key], dyn) for key, _, dyn in runs}, a.max_new,
                      rotate=True, sampling=sampling)
     mode = "greedy" if sampling is None else f"T={a.temperature:g}"

@@ -243,7 +243,7 @@ class Batcher:
         seq = Sequence(list(prompt_ids), cfg, self.drafter.fork(),
                        Emitter(self.target, p.max_new, cfg.stop, on_text, cfg.logprobs, on_logprobs),
                        p.budget, self.slots.alloc(first), first, p.slots, cancel, p.generator,
-                       sampled_calibration(self.drafter.name, self.target, cfg.sampling.temperature))
+                       sampled_calibration(getattr(self.drafter, "sampled", None), cfg.sampling))
         self.live.append(seq)
         return seq
 

@@ -512,15 +512,13 @@ def test_sampled_maps_rescore_a_batch_per_sequence(fast_target, monkeypatch):
 
     costs = LiveCosts({"n": list(range(1, 65)), "ms": [1.0 + 0.05 * n for n in range(1, 65)]})
     monkeypatch.setattr(batch_module, "live_costs", lambda target: costs)
-    zero = {"xs": [0.0, 1.0], "ys": [0.0, 0.0]}
-    monkeypatch.setattr(C, "shipped_calibrations", lambda: {"ngram": {"sampled": {"0.7": zero}}})
     ps = prompts((6, 30, 12))
     ps = [p * 3 for p in ps]  # repeats: prompt lookup finds continuations
     cfgs = [GenerateConfig(max_new_tokens=24, sampling=Sampling(temperature=0.7), seed=1),
             GenerateConfig(max_new_tokens=24),
             GenerateConfig(max_new_tokens=24, sampling=Sampling(temperature=0.7), seed=2)]
     d = NgramDrafter(table={"1,0,1": 0.9, "2,0,1": 0.9, "3,0,1": 0.9, "4,0,1": 0.9, "4,0,2": 0.9, "4,0,3": 0.9})
-    d.default_budget = 3
+    d.default_budget, d.sampled = 3, {0.7: C.Calibration([0.0, 1.0], [0.0, 0.0])}
     engine = Engine(twin(fast_target), d)
     alone = [Engine(twin(fast_target)).generate(p, c).token_ids for p, c in zip(ps, cfgs)]
     seqs = run_batch(Batcher(engine, max_batch=3, prefill_rows=16), list(zip(ps, cfgs)))

@@ -82,11 +82,11 @@ def test_a_size_not_seen_for_long_is_priced_by_the_curve_again():
     assert costs.pass_ms(3)[2] > 30.0  # not stale yet
     costs.observe_pass(1, 10.0)
     assert costs.pass_ms(3)[2] < 20.0  # stale: the curve at the live pace
-    costs.observe_pass(3, 15.0)  # seen again: its average starts over (the curve until SEEN passes)
-    assert costs.live[3] == (15.0, 1) and costs.pass_ms(3)[2] < 20.0
-    for _ in range(SEEN):
+    costs.observe_pass(3, 15.0)  # seen again: its average starts over from the scaled curve (used until SEEN passes)
+    assert costs.live[3][1] == 1 and costs.live[3][0] < 20.0 and costs.pass_ms(3)[2] < 20.0
+    for _ in range(2 * SEEN):
         costs.observe_pass(3, 15.0)
-    assert costs.pass_ms(3)[2] == 15.0 and costs.totals[3][1] == 2 * SEEN + 1
+    assert 14.0 < costs.pass_ms(3)[2] < 16.0 and costs.totals[3][1] == 3 * SEEN + 1
 
 
 def test_drafting_pauses_where_it_does_not_pay_and_probes():
@@ -173,6 +173,9 @@ def test_shipped_maps_calibrate_the_shipped_weights_only(default_target):
     assert make_drafter(str(weights_path("phrase")), default_target).calibration.xs == []
     assert make_drafter("mfd", default_target).calibration.xs
     assert make_drafter(str(weights_path("mfd")), default_target).calibration.xs == []
+    for name in ("ngram", "phrase", "mfd"):  # the sampled maps likewise: the shipped drafters' own
+        assert 0.7 in make_drafter(name, default_target).sampled
+    assert make_drafter(str(weights_path("phrase")), default_target).sampled == {}
 
 
 def test_cost_curve_prepares_each_size_once(tiny_chat_target, monkeypatch):

@@ -150,11 +150,15 @@ def test_a_top_p_below_float32_range_keeps_the_most_likely_token():
 
 
 class ChainDrafter:
-    """Proposes the same 4-token chain after every root, each node scored 0.9 (``Tree.probs``)."""
+    """Proposes the same 4-token chain after every root, each node scored 0.9 (``Tree.probs``); a serial drafter's
+    ``floor`` (the loop sets it each pass) is recorded."""
 
     name = "chain"
     hidden_layers = ()
     default_budget = 4
+
+    def __init__(self, sampled=None):
+        self.sampled, self.floor, self.floors = sampled or {}, 0.0, []
 
     def reset(self, prompt_ids, first_token, prefill):
         self.last = first_token
@@ -163,17 +167,18 @@ class ChainDrafter:
         self.last = accepted.bonus
 
     def fork(self):
-        return ChainDrafter()
+        return ChainDrafter(self.sampled)
 
     def propose(self, budget):
+        self.floors.append(self.floor)
         tree = Tree.from_paths(self.last, [[5, 6, 7, 8]], budget=budget)
         return tree.with_probs([0.9] * len(tree))
 
 
 def test_sampled_maps_rescore_the_cut_under_sampling_only(tiny_llama, monkeypatch):
-    """A sampling generation passes its trees' probabilities through the drafter's ``sampled`` map fitted nearest its
-    temperature before the live cut (greedy ones do not): a map to 0 leaves every tree its root alone, the identity
-    keeps the nodes; the output is plain sampling's either way."""
+    """A sampling generation passes its trees' probabilities through the drafter's ``sampled`` map for its
+    temperature before the live cut (greedy ones do not), and the floor of a serial drafter back through it: a map
+    to 0 leaves every tree its root alone, the identity keeps the nodes; the output is plain sampling's either way."""
     import importlib
 
     from specdraft.drafters import calibration as C
@@ -184,23 +189,29 @@ def test_sampled_maps_rescore_the_cut_under_sampling_only(tiny_llama, monkeypatc
     costs = LiveCosts({"n": list(range(1, 33)), "ms": [1.0 + 0.05 * n for n in range(1, 33)]})
     monkeypatch.setattr(gen_module, "live_costs", lambda t: costs)
     monkeypatch.setattr(costs, "drafting_pays", lambda name: True)
-    zero, same = {"xs": [0.0, 1.0], "ys": [0.0, 0.0]}, {"xs": [0.0, 1.0], "ys": [0.0, 1.0]}
-    monkeypatch.setattr(C, "shipped_calibrations", lambda: {"chain": {"sampled": {"0.7": zero, "1.5": same}}})
-    assert C.sampled_calibration("chain", target, 0.0) is None  # greedy: no map
-    assert C.sampled_calibration("chain", target, 0.9).ys == [0.0, 0.0]  # the nearest temperature's
-    assert C.sampled_calibration("chain", target, 1.2).ys == [0.0, 1.0]
-    assert C.sampled_calibration("other", target, 0.7) is None
+    zero, same = C.Calibration([0.0, 1.0], [0.0, 0.0]), C.Calibration([0.0, 1.0], [0.0, 1.0])
+    maps = {0.7: zero, 1.5: same}
+    assert C.sampled_calibration(maps, Sampling()) is None  # greedy: no map
+    assert C.sampled_calibration(maps, Sampling(temperature=0.9, top_k=1)) is None  # one-hot: greedy too
+    assert C.sampled_calibration(maps, Sampling(temperature=0.9)) is zero  # the nearest temperature's
+    assert C.sampled_calibration(maps, Sampling(temperature=1.2)) is same
+    assert C.sampled_calibration({}, Sampling(temperature=0.7)) is None
+    blend = C.sampled_calibration({0.8: C.Calibration([0.2, 0.6], [0.1, 0.3])}, Sampling(temperature=0.2))
+    assert abs(blend(0.6) - (0.75 * 0.6 + 0.25 * 0.3)) < 1e-12 and abs(blend(0.9) - (0.75 * 0.9 + 0.25 * 0.3)) < 1e-12
     half = C.rescored(Tree.from_paths(1, [[2, 3], [4]]).with_probs([1.0, 0.8, 0.6, 0.9]), C.Calibration([0, 1], [0, 0.5]))
     assert half.probs == [1.0, 0.4, 0.3, 0.45]
     m = C.Calibration([0.1, 0.5, 0.9], [0.05, 0.3, 0.6])  # a serial drafter's floor, carried back through the map
     assert m.below(0.3) == 0.5 and abs(m(m.below(0.45)) - 0.45) < 1e-12
     assert m.below(0.01) == 0.0 and m.below(0.7) == float("inf") and C.Calibration().below(0.2) == 0.2
 
-    greedy = generate(target, PROMPT, ChainDrafter(), GenerateConfig(max_new_tokens=12))
+    greedy = generate(target, PROMPT, ChainDrafter(maps), GenerateConfig(max_new_tokens=12))
     assert greedy.stats.tree_nodes > 0  # greedy trees are cut by their own probabilities
     for temperature, drafted in ((0.7, False), (1.4, True)):
         cfg = GenerateConfig(max_new_tokens=12, sampling=Sampling(temperature=temperature), seed=3)
         plain = generate(target, PROMPT, None, cfg)
-        got = generate(target, PROMPT, ChainDrafter(), cfg)
+        d = ChainDrafter(maps)
+        got = generate(target, PROMPT, d, cfg)
         assert got.token_ids == plain.token_ids
         assert (got.stats.tree_nodes > 0) == drafted, temperature
+        # the floor as the map gives it: none of a map to 0 can pay (inf); the identity's is the costs' own
+        assert d.floors and all((f == float("inf")) if not drafted else (0.0 < f < 1.0) for f in d.floors), d.floors

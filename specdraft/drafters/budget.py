@@ -159,7 +159,7 @@ def batch_rows(curve: dict | None, budget: int) -> int:
 # ---------------------------------------------------------------------- live costs and the tree cut
 EMA = 0.1  # weight of the newest pass in the moving averages
 SEEN = 8  # passes of one size after which its own average replaces the scaled curve
-STALE = 256  # passes after which a size not seen since loses its own average (the scaled curve again, and its
+STALE = 256  # passes after which a size not seen since loses its own average (the scaled curve again, from which its
 # average starts over when next seen): else a size priced high once is never cut to again, so never re-measured
 CLIP = 1.5  # a pass counts as at most this many times the current estimate (a preempted pass is noise, not pace)
 PROBE = 16  # a drafter whose drafted steps do not pay pauses for this many steps, then probes ...
@@ -248,10 +248,10 @@ class LiveCosts:
         total = self.totals.setdefault(rows, [0.0, 0])
         total[0] += pass_ms
         total[1] += 1
-        self.passes += 1
         avg, seen = self.live.get(rows, (pass_ms, 0))
-        if self.passes - self.last.get(rows, self.passes) > STALE:  # an old average: start it over
-            avg, seen = pass_ms, 0
+        if self.passes - self.last.get(rows, self.passes) > STALE:  # an old average: start over from the scaled curve
+            avg, seen = self.scale * self.curve_ms(rows), 0
+        self.passes += 1
         self.last[rows] = self.passes
         pass_ms = min(pass_ms, CLIP * avg)
         self.live[rows] = (avg + EMA * (pass_ms - avg), seen + 1)

@@ -11,7 +11,7 @@ docs/results/calibration/).  The fitted maps ship in ``specdraft/weights/calibra
 Sampling accepts less than greedy decoding: a node is kept when the target's draw equals it, not when it is
 the target's most likely token.  Each drafter's entry may hold ``sampled``: per temperature, a second monotone
 map from the greedy-calibrated probability to the acceptance measured on replayed *sampled* outputs
-(``calibrate.py --temperature T``); a sampling generation applies the one fitted nearest its temperature
+(``calibrate.py --temperature T``); a sampling generation applies the one for its temperature
 (``sampled_calibration``, ``rescored``).
 """
 
@@ -55,7 +55,7 @@ class Calibration:
 
     def below(self, y: float) -> float:
         """The score under which this map gives less than ``y``: every raw < ``below(y)`` maps below y, none at or
-        above it does (0 where every score reaches y, inf where none does)."""
+        above it does (0 where every score reaches y, inf where none does; the identity: y itself)."""
         xs, ys = self.xs, self.ys
         if not xs:
             return max(y, 0.0)
@@ -172,17 +172,26 @@ def with_scores(tree, raw: list[float], calibration: Calibration | None, log: bo
     return tree.with_probs([1.0] + [calibration(math.exp(r) if log else r) for r in raw[1:]])
 
 
-def sampled_calibration(name: str, target, temperature: float) -> Calibration | None:
-    """Drafter ``name``'s map from a node's greedy-calibrated probability to its acceptance when the target samples
-    at ``temperature``: the one fitted at the nearest temperature (top-p and top-k, which raise acceptance, are
-    not modelled: the map errs low there); None for greedy decoding or where none was fitted."""
-    if temperature <= 0:
-        return None
+def sampled_maps(name: str, target) -> dict[float, Calibration]:
+    """Drafter ``name``'s fitted sampled maps for ``target`` by temperature ({} where none was fitted); the registry
+    gives them to the shipped drafters it builds (``drafter.sampled``), not to a checkpoint loaded by path."""
     maps = entry_for(name, target).get("sampled") or {}
-    if not maps:
+    return {float(t): Calibration(m["xs"], m["ys"]) for t, m in maps.items()}
+
+
+def sampled_calibration(maps: dict[float, Calibration] | None, sampling) -> Calibration | None:
+    """The map from a node's greedy-calibrated probability to its acceptance under ``sampling`` (a
+    ``verify.Sampling``): None for greedy decoding or a one-hot draw (top-k 1) or without maps; below the lowest
+    fitted temperature T0, the map blended with the identity (greedy) in proportion T / T0; else the one fitted at
+    the nearest temperature.  Top-p and top-k, which raise acceptance, are not modelled: the map errs low there."""
+    if not maps or sampling.greedy or sampling.top_k == 1:
         return None
-    m = maps[min(maps, key=lambda t: abs(float(t) - temperature))]
-    return Calibration(m["xs"], m["ys"])
+    lo, t = min(maps), sampling.temperature
+    if t >= lo:
+        return maps[min(maps, key=lambda k: abs(k - t))]
+    m, w = maps[lo], t / lo  # between knots (and past the map's ends, up to 0 and 1) both are linear: so is the blend
+    xs = sorted(set(m.xs) | {0.0, 1.0})
+    return Calibration(xs, [(1 - w) * x + w * m(x) for x in xs])
 
 
 def rescored(tree, calibration: Calibration | None):

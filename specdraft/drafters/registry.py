@@ -22,7 +22,7 @@ from typing import Callable, get_type_hints
 from specdraft.drafters.base import Drafter, NoDrafter
 from specdraft.drafters.block import BlockDrafter, BlockOptions, load_block
 from specdraft.drafters.budget import default_budget
-from specdraft.drafters.calibration import Calibration, calibration_for
+from specdraft.drafters.calibration import Calibration, calibration_for, sampled_maps
 from specdraft.drafters.combine import WithNgram
 from specdraft.drafters.hybrid import HybridDrafter, HybridOptions, load_hybrid
 from specdraft.drafters.datastore import shipped_stores
@@ -227,6 +227,8 @@ def make_drafter(spec: str, target=None, budget: int | None = None) -> Drafter:
         drafter.calibration = calibration_for(name, target) if name in REGISTRY else Calibration()  # for a path
     if entry.lookup and options.ngram > 0:
         drafter = WithNgram(drafter, options.ngram)
+    # node probabilities -> acceptance under sampling, per temperature: fitted on the shipped weights only
+    drafter.sampled = sampled_maps(name, target) if name in REGISTRY else {}
     if entry.fallback_budget == 0:
         budget = 0  # a drafter that drafts nothing verifies the root alone
     elif budget is None and target is not None:

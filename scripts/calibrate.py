@@ -187,10 +187,8 @@ def main() -> None:
         fit_sampled(a, target, cal_ids, cache, out)
         return
     cal_out = greedy_outputs(target, cal_ids, a.max_new, cache=cache / "greedy_calibration.json", quiet=False)
-    checks = {}
-    for f in a.check:
-        ids = [target.encode_prompt(t) for t in load_prompts(f)]
-        checks[Path(f).stem] = (ids, greedy_outputs(target, ids, a.max_new, cache=cache / f"greedy_{Path(f).stem}.json"))
+    checks = check_sets(a.check, target, lambda ids, stem: greedy_outputs(target, ids, a.max_new,
+                                                                          cache=cache / f"greedy_{stem}.json"))
     fitted = load_calibrations()
     report = {"target": target.weight_hash, "prompts": len(cal_texts), "max_new": a.max_new, "budget": a.budget,
               "drafters": {}}
@@ -223,11 +221,7 @@ def main() -> None:
             s2, a2 = pairs_of(replay(target, d, ids, outs, a.budget))
             rep[cname] = reliability(s2, a2, cal)
         print(name, json.dumps(rep["calibration_set"]))
-    (out / "reliability.json").write_text(json.dumps(report, indent=1))
-    plot(report, out / "reliability.png")
-    if a.write:
-        CALIBRATION_FILE.write_text(json.dumps(fitted, indent=1) + "\n")
-        print(f"wrote {CALIBRATION_FILE}")
+    save(report, fitted, out, a.write)
 
 
 def fit_sampled(a, target, cal_ids, cache: Path, out: Path) -> None:
@@ -241,10 +235,7 @@ def fit_sampled(a, target, cal_ids, cache: Path, out: Path) -> None:
                                  cache=cache / f"sampled_{tag}_{name}.json")
 
     cal_out = sampled(cal_ids, "calibration", a.seed)
-    checks = {}
-    for f in a.check:
-        ids = [target.encode_prompt(t) for t in load_prompts(f)]
-        checks[Path(f).stem] = (ids, sampled(ids, Path(f).stem, a.seed + 1))
+    checks = check_sets(a.check, target, lambda ids, stem: sampled(ids, stem, a.seed + 1))
     fitted = load_calibrations()
     report = {"target": target.weight_hash, "prompts": len(cal_ids), "max_new": a.max_new, "budget": a.budget,
               "temperature": a.temperature, "drafters": {}}
@@ -265,9 +256,23 @@ def fit_sampled(a, target, cal_ids, cache: Path, out: Path) -> None:
             rep[f"{cname} greedy-calibrated"] = reliability(s2, a2, Calibration())
             rep[cname] = reliability(s2, a2, cal)
         print(name, json.dumps(rep["calibration_set"]))
+    save(report, fitted, out, a.write)
+
+
+def check_sets(files: list[str], target, outputs) -> dict:
+    """{stem: (prompt ids, ``outputs(ids, stem)``)} of each ``--check`` prompt file."""
+    checks = {}
+    for f in files:
+        ids = [target.encode_prompt(t) for t in load_prompts(f)]
+        checks[Path(f).stem] = (ids, outputs(ids, Path(f).stem))
+    return checks
+
+
+def save(report: dict, fitted: dict, out: Path, write: bool) -> None:
+    """The reliability report (JSON and diagrams) into ``out``; with ``write`` the fitted maps into the shipped file."""
     (out / "reliability.json").write_text(json.dumps(report, indent=1))
     plot(report, out / "reliability.png")
-    if a.write:
+    if write:
         CALIBRATION_FILE.write_text(json.dumps(fitted, indent=1) + "\n")
         print(f"wrote {CALIBRATION_FILE}")
 

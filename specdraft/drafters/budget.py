@@ -176,8 +176,8 @@ class LiveCosts:
     drafting per pass.  A size seen ``SEEN`` times costs its own moving average; any other size the
     stored curve's time times the live/curve ratio averaged over every pass so far (the machine's
     current pace), as does a size not seen for ``STALE`` passes.  A bigger pass is never counted as cheaper than a
-    smaller one.  Per drafter it also
-    keeps what a drafted step gains (tokens) and costs (ms), so drafting stops where it does not pay."""
+    smaller one.  Per drafter it also keeps what a drafted step gains (tokens) and costs (ms), so drafting stops
+    where it does not pay."""
 
     def __init__(self, curve: dict, source: Path | None = None) -> None:
         self.source = source  # the stored curve's file

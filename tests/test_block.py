@@ -321,6 +321,47 @@ def test_trained_tiny_dflash_drafter_is_lossless_and_accepts_drafts(tiny_chat_ta
     assert max(tpp) > 1.0
 
 
+def test_full_vocabulary_is_ranked_like_a_draft_vocabulary():
+    """``--draft-vocab 0`` keeps every token but ranks them as a draft vocabulary is ranked (the end-of-turn ids,
+    then by count in the responses, then in the prompts, then by id), so a drafter can draft from its first rows."""
+    from specdraft.train.corpus import Corpus, draft_vocabulary
+
+    corpus = Corpus(tokens=[[7, 7, 3, 3, 3, 5], [6, 5, 3, 9, 9]], prompt_len=[2, 1], offsets=[0, 6], feats=None, final=None)
+    # responses: 3 four times, 5 and 9 twice (ties by id); prompts alone: 7 twice, 6 once
+    ranked = draft_vocabulary(corpus, [0, 1], 0, 12, always={1}).tolist()
+    assert ranked[:6] == [1, 3, 5, 9, 7, 6] and sorted(ranked) == list(range(12))  # unseen ids last, by id
+    assert draft_vocabulary(corpus, [0, 1], 3, 12, always={1}).tolist() == ranked[:3]
+
+
+def test_drafting_from_the_first_rows_of_the_draft_vocabulary(tiny_chat_target, trained, tmp_path):
+    """``vocab=N`` drafts from the draft vocabulary's N most frequent tokens (a smaller head each step); a
+    checkpoint's ``draft_rows`` sets N by default and ``vocab=0`` reads every row.  Lossless whatever N."""
+    from specdraft.nn.checkpoint import load_checkpoint, save_checkpoint
+
+    t = tiny_chat_target
+    path = trained[3][0]
+    full = make_drafter(str(path), t)
+    for spec, rows in ((f"{path}@vocab=8", 8), (f"{path}@vocab=8,int8=0,bf16=0", 8), (f"{path}@vocab=100000", 256)):
+        d = make_drafter(spec, t)
+        assert d.model.head_w.shape[0] == rows and torch.equal(d.model.vocab_ids, full.model.vocab_ids[:rows])
+        tokens, _ = d.marginals(4, 2)
+        assert set(tokens.flatten().tolist()) <= set(full.model.vocab_ids[:rows].tolist())
+    tensors, manifest = load_checkpoint(path)
+    cut = tmp_path / "cut.safetensors"
+    save_checkpoint(cut, tensors, {**manifest, "draft_rows": 16})
+    assert make_drafter(str(cut), t).model.head_w.shape[0] == 16
+    assert make_drafter(f"{cut}@vocab=0", t).model.head_w.shape[0] == 256
+    for p in PROMPTS:
+        ids = t.encode_prompt(f"{p} (variant 0)")
+        ref = generate(t, ids, NoDrafter(), GenerateConfig(max_new_tokens=32)).token_ids
+        for spec in (str(cut), f"{path}@vocab=2,tree=ddtree", f"{path}@vocab=1,tree=linear"):
+            assert generate(t, ids, make_drafter(spec, t, budget=6), GenerateConfig(max_new_tokens=32)).token_ids == ref, spec
+    with pytest.raises(SpecdraftError, match="option vocab must be >= 0"):
+        make_drafter(f"{path}@vocab=-2", t)
+    with pytest.raises(SpecdraftError, match="before prepack"):
+        full.model.keep_vocab(4)  # its head is packed already
+
+
 # ---------------------------------------------------------------------------- checkpoints and training
 
 

@@ -64,6 +64,16 @@ def test_drafting_steps_equal_the_training_maths(tiny_llama):
                                    depth=4)
 
 
+def test_fast_kernel_steps_equal_the_8_bit_network(tiny_llama):
+    """On the fast kernel a step is one C++ call, its attention reading [input_layernorm(e) ; hidden_norm(g)] (2H)
+    and its residual g: the same levels as the layer's own modules over the same 8-bit projections (to float
+    rounding), after a prefill and after a commit."""
+    from tests.test_hybrid import check_fast_equals_module
+
+    _, target, _ = tiny_llama
+    check_fast_equals_module(target, random_eagle3(target, steps=4, vocab=48), True, name="eagle3")
+
+
 def test_random_eagle3_is_lossless_on_real_prompts(tiny_chat_target):
     t = tiny_chat_target
     model = random_eagle3(t, steps=5, vocab=512)
@@ -93,7 +103,7 @@ def test_trained_tiny_eagle3_is_lossless_and_accepts_drafts(tiny_chat_target, ti
     for p in PROMPTS:
         ids = t.encode_prompt(f"{p} (variant 0)")
         ref = generate(t, ids, NoDrafter(), GenerateConfig(max_new_tokens=32)).token_ids
-        for spec, budget in ((str(path), 1), (f"{path}@topk=1,beams=1", 4), (f"{path}@bf16=1", 8)):
+        for spec, budget in ((str(path), 1), (f"{path}@topk=1,beams=1", 4), (f"{path}@bf16=1", 8), (f"{path}@vocab=16", 4)):
             d = make_drafter(spec, t, budget=budget)
             assert isinstance(d, HybridDrafter) and d.name == "eagle3"
             r = generate(t, ids, d, GenerateConfig(max_new_tokens=32))

@@ -120,7 +120,8 @@ def test_dflash_export_reads_back_to_the_same_block(tiny_chat_target, tiny_dflas
         pre = t.prefill(ids, max_slots=len(ids) + 8, hidden_layers=layers)
         first = int(pre.logits[0, -1].argmax())
         d.reset(ids, first, pre)
-        ours = d.block_logp()[0]  # [B-1, V]: the draft vocabulary is the whole target vocabulary
+        ranked = d.block_logp()[0]  # [B-1, V]: the draft vocabulary is the whole target vocabulary, ranked
+        ours = torch.empty_like(ranked).index_copy_(1, d.model.vocab_ids, ranked)  # in target id order
         theirs = reader.block_logprobs(pre.hidden, len(ids), first)
         assert ours.shape == theirs.shape
         assert torch.equal(ours.argmax(-1), theirs.argmax(-1)), prompt

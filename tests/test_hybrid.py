@@ -158,16 +158,21 @@ def test_drafting_on_the_fast_kernel_equals_the_8_bit_network(tiny_llama, kind):
     """On the fast kernel (``prepack(int8=True)``) each serial step is one C++ call per layer and the top-k is
     taken in C++: the same levels as the network's own modules with the same 8-bit projections (to float
     rounding), after a prefill and after a commit; the steps' K/V go through the cache's scratch slots."""
+    _, target, _ = tiny_llama
+    check_fast_equals_module(target, _random_model(target, *CONFIGS[kind], vocab=48), CONFIGS[kind][0] > 0)
+
+
+def check_fast_equals_module(target, model, serial: bool, name: str | None = None) -> None:
+    """``model`` on the fast kernel against a copy in torch's modules over the same 8-bit projections: the same
+    levels (to float rounding) after a prefill and after a commit; ``serial``: whether its steps are fast."""
     import copy
 
     from specdraft.replay import sequence_hidden
 
-    _, target, _ = tiny_llama
-    model = _random_model(target, *CONFIGS[kind], vocab=48)
     module = copy.deepcopy(model)
     assert model.prepack(int8=True) and module.prepack(int8=True, fused=False)
-    assert model.fast and model.fast_serial == (CONFIGS[kind][0] > 0) and not module.fast_serial
-    fast, slow = HybridDrafter(model, HybridOptions(topk=6, beams=3)), HybridDrafter(module, HybridOptions(topk=6, beams=3))
+    assert model.fast and model.fast_serial == serial and not module.fast_serial
+    fast, slow = (HybridDrafter(m, HybridOptions(topk=6, beams=3), name=name) for m in (model, module))
     seq = torch.randint(2, 96, (30,), generator=torch.Generator().manual_seed(3)).tolist()
     hid = sequence_hidden(target, seq, fast.hidden_layers)
     p = 12

@@ -75,6 +75,8 @@ class TrainedOptions:
     fused: int = 1  # with int8: 1 = each decoder layer one C++ call and the top-k in C++, 0 = torch's modules
     # around the same 8-bit projections (the reference; slower)
     wbits: int = 8  # with int8: the weights rounded to 8-bit (Q8_0) or 4-bit (Q4_0, half the bytes a step reads) blocks
+    vocab: int = -1  # draft from the draft vocabulary's N most frequent tokens (a smaller head scored each step); 0 = all
+    # of it, -1 = the checkpoint's choice (its manifest's ``draft_rows``, else all)
 
     def __post_init__(self) -> None:
         if self.bf16 not in (-1, 0, 1):
@@ -87,13 +89,17 @@ class TrainedOptions:
             raise SpecdraftError(f"option fused must be 0 or 1 (got {self.fused})")
         if self.ngram < 0:
             raise SpecdraftError(f"option ngram must be >= 0 (tree nodes given to prompt lookup; got {self.ngram})")
+        if self.vocab < -1:
+            raise SpecdraftError(f"option vocab must be >= 0 (draft-vocabulary tokens drafted from, 0 = all; got {self.vocab})")
 
 
-def prepare_network(model, target, options: TrainedOptions):
-    """A drafter network ready to draft for ``target``: its matmuls on the fast kernel (``options.int8``;
+def prepare_network(model, target, options: TrainedOptions, manifest: dict | None = None):
+    """A drafter network ready to draft for ``target``: its draft vocabulary cut to ``options.vocab`` tokens (or
+    the checkpoint ``manifest``'s ``draft_rows``), its matmuls on the fast kernel (``options.int8``;
     by default when the target runs in the fast mode), else in bfloat16 with packed weights
     (``options.bf16``; by default where the CPU has native bfloat16), else as loaded.  Drafting is
-    lossless whatever its arithmetic: the target verifies."""
+    lossless whatever its arithmetic or vocabulary: the target verifies."""
+    model.keep_vocab(options.vocab if options.vocab >= 0 else int((manifest or {}).get("draft_rows", 0)))
     int8 = options.int8 == 1 or (options.int8 < 0 and target.precision == "fast")
     kind = "Q8_0" if options.wbits == 8 else "Q4_0"
     if int8 and target.device.type == "cpu" and model.prepack(int8=True, fused=bool(options.fused), kind=kind):

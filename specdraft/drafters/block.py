@@ -193,4 +193,4 @@ class BlockDrafter(TrainedDrafter):
 
 def load_block(target, ckpt: DraftCheckpoint, options: BlockOptions, name: str | None) -> BlockDrafter:
     """The registry's builder: the checkpoint's network on the fast kernel or in bfloat16 (``prepare_network``)."""
-    return BlockDrafter(prepare_network(ckpt.model, target, options), options, name=name, manifest=ckpt.manifest)
+    return BlockDrafter(prepare_network(ckpt.model, target, options, ckpt.manifest), options, name=name, manifest=ckpt.manifest)

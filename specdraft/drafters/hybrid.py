@@ -243,7 +243,7 @@ class HybridDrafter(TrainedDrafter):
         each other as ``mask`` [1, 1, T, start+T] allows (None: all); their K/V are written at slots
         start .. start+T-1.  On the fast kernel each layer is one C++ call.  Returns out [1, T, W]."""
         m = self.model
-        if getattr(m, "fast_serial", False):  # EAGLE-3's layer reads 2H: its module path
+        if getattr(m, "fast_serial", False):
             return m.serial_fast(state, tokens, positions, None if mask is None else mask[:, 0], self.cache.kv, start)
         h, new = m.serial(state, tokens, positions, mask, self.cache.past(start))
         self.cache.write(new, start)
@@ -330,4 +330,4 @@ class HybridDrafter(TrainedDrafter):
 
 def load_hybrid(target, ckpt: DraftCheckpoint, options: HybridOptions, name: str | None) -> HybridDrafter:
     """The registry's builder: the checkpoint's network on the fast kernel or in bfloat16 (``prepare_network``)."""
-    return HybridDrafter(prepare_network(ckpt.model, target, options), options, name=name, manifest=ckpt.manifest)
+    return HybridDrafter(prepare_network(ckpt.model, target, options, ckpt.manifest), options, name=name, manifest=ckpt.manifest)

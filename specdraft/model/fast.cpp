@@ -1041,7 +1041,9 @@ std::tuple<at::Tensor, at::Tensor> head(const at::Tensor& x, const at::Tensor& n
 //   layer also takes qk_norm [2, D] (an RMSNorm over each q / k head before RoPE, DFlash's) and out_rows: only
 //   the first out_rows rows of each sequence come out (the others give their keys and values only).  Gemma 3's
 //   blocks add post_attn / post_mlp [H] (an RMSNorm on W_o's and W_down's outputs before each residual add),
-//   gelu (GeGLU for SwiGLU) and scale (the attention logits' factor; 0 = 1/sqrt(D)).
+//   gelu (GeGLU for SwiGLU) and scale (the attention logits' factor; 0 = 1/sqrt(D)).  EAGLE-3's layer passes
+//   x_attn [B, T, K]: the rows its attention reads ([input_layernorm(e) ; hidden_norm(g)], normed by the caller),
+//   x (= g) staying the residual.
 at::Tensor block(const at::Tensor& x_in, at::TensorList qkv_t, at::IntArrayRef qkv_meta,
                  const std::optional<at::Tensor>& s_attn, const std::optional<at::Tensor>& bqkv, at::TensorList o_t,
                  at::IntArrayRef o_meta, at::TensorList gu_t, at::IntArrayRef gu_meta,
@@ -1049,7 +1051,7 @@ at::Tensor block(const at::Tensor& x_in, at::TensorList qkv_t, at::IntArrayRef q
                  const at::Tensor& rot, const std::optional<at::Tensor>& mask, const at::Tensor& kv, int64_t start,
                  double eps, int64_t hq, int64_t hkv, int64_t D, const std::optional<at::Tensor>& qk_norm,
                  int64_t out_rows, const std::optional<at::Tensor>& post_attn, const std::optional<at::Tensor>& post_mlp,
-                 bool gelu, double attn_scale) {
+                 bool gelu, double attn_scale, const std::optional<at::Tensor>& x_attn) {
   TORCH_CHECK(x_in.is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() == 3, "fast block: x [B, T, H] fp32 on the CPU");
   TORCH_CHECK(D % 16 == 0 && hq % hkv == 0, "fast block: head size a multiple of 16");
   at::Tensor x = x_in.contiguous();
@@ -1069,7 +1071,15 @@ at::Tensor block(const at::Tensor& x_in, at::TensorList qkv_t, at::IntArrayRef q
   for (const auto* t : {&post_attn, &post_mlp})
     TORCH_CHECK(!*t || ((*t)->is_contiguous() && (*t)->numel() == H && (*t)->scalar_type() == at::kFloat),
                 "fast block: post_attn / post_mlp [H] fp32");
-  const WSet wqkv = weights(qkv_t, qkv_meta, H), wo = weights(o_t, o_meta, qsz), wgu = weights(gu_t, gu_meta, H);
+  // EAGLE-3's layer: its attention reads other rows than its residual, x_attn [B, T, K] (normed by the caller)
+  at::Tensor xa;
+  if (x_attn) {
+    xa = x_attn->contiguous();
+    TORCH_CHECK(xa.is_cpu() && xa.scalar_type() == at::kFloat && xa.dim() == 3 && xa.size(0) == B && xa.size(1) == T && !s_attn,
+                "fast block: x_attn [B, T, K] fp32 on the CPU, and no s_attn (the caller norms it)");
+  }
+  const int64_t Ka = x_attn ? xa.size(2) : H;
+  const WSet wqkv = weights(qkv_t, qkv_meta, Ka), wo = weights(o_t, o_meta, qsz), wgu = weights(gu_t, gu_meta, H);
   const int64_t inter = wgu.N / 2;
   const WSet wd = weights(dn_t, dn_meta, inter);
   const int64_t nqkv = wqkv.N;
@@ -1092,9 +1102,13 @@ at::Tensor block(const at::Tensor& x_in, at::TensorList qkv_t, at::IntArrayRef q
   std::vector<float> qkv(M * nqkv);
   QRows qx;
 
-  // q, k, v = W_qkv RMSNorm(x) (+ b)
-  rms_rows(xp, M, H, eps, s_attn ? s_attn->data_ptr<float>() : nullptr, buf.data());
-  quantize_rows(buf.data(), M, H, qx);
+  // q, k, v = W_qkv RMSNorm(x) (+ b); EAGLE-3: W_qkv x_attn
+  if (x_attn) {
+    quantize_rows(xa.data_ptr<float>(), M, Ka, qx);
+  } else {
+    rms_rows(xp, M, H, eps, s_attn ? s_attn->data_ptr<float>() : nullptr, buf.data());
+    quantize_rows(buf.data(), M, H, qx);
+  }
   linear_q(qx, M, wqkv, qkv.data(), nqkv);
   if (bqkv) add_bias(qkv.data(), M, nqkv, *bqkv, "fast block");
   if (qk_norm) {  // RMSNorm over each q and k head (Qwen3's layers, DFlash's), before RoPE
@@ -1409,9 +1423,10 @@ at::Tensor block(const at::Tensor& x, at::TensorList qkv, at::IntArrayRef qkv_me
                  at::IntArrayRef dn_meta, const at::Tensor& rot, const std::optional<at::Tensor>& mask,
                  const at::Tensor& kv, int64_t start, double eps, int64_t hq, int64_t hkv, int64_t D,
                  const std::optional<at::Tensor>& qk_norm, int64_t out_rows, const std::optional<at::Tensor>& post_attn,
-                 const std::optional<at::Tensor>& post_mlp, bool gelu, double attn_scale) {
+                 const std::optional<at::Tensor>& post_mlp, bool gelu, double attn_scale,
+                 const std::optional<at::Tensor>& x_attn) {
   return FAST_DISPATCH(block, x, qkv, qkv_meta, s_attn, bqkv, o, o_meta, gu, gu_meta, s_mlp, dn, dn_meta, rot, mask, kv,
-                       start, eps, hq, hkv, D, qk_norm, out_rows, post_attn, post_mlp, gelu, attn_scale);
+                       start, eps, hq, hkv, D, qk_norm, out_rows, post_attn, post_mlp, gelu, attn_scale, x_attn);
 }
 std::tuple<at::Tensor, at::Tensor> logp_topk(const at::Tensor& logits, int64_t k) { return FAST_DISPATCH(logp_topk, logits, k); }
 std::tuple<at::Tensor, at::Tensor> linear_topk(const at::Tensor& x, const std::optional<at::Tensor>& norm_w, double eps,
@@ -1444,7 +1459,7 @@ TORCH_LIBRARY_FRAGMENT(specdraft_quant, lib) {
   lib.def("fast_block(Tensor x, Tensor[] qkv, int[] qkv_meta, Tensor? s_attn, Tensor? bqkv, Tensor[] o, int[] o_meta, "
           "Tensor[] gu, int[] gu_meta, Tensor? s_mlp, Tensor[] dn, int[] dn_meta, Tensor rot, Tensor? mask, "
           "Tensor(a!) kv, int start, float eps, int hq, int hkv, int d, Tensor? qk_norm=None, int out_rows=-1, "
-          "Tensor? post_attn=None, Tensor? post_mlp=None, bool gelu=False, float scale=0.0) -> Tensor",
+          "Tensor? post_attn=None, Tensor? post_mlp=None, bool gelu=False, float scale=0.0, Tensor? x_attn=None) -> Tensor",
           &fastk::block);
   lib.def("fast_logp_topk(Tensor logits, int k) -> (Tensor, Tensor)", &fastk::logp_topk);
   lib.def("fast_linear_topk(Tensor x, Tensor? norm_w, float eps, Tensor[] w, int[] meta, int k, Tensor? ids=None) -> (Tensor, Tensor)",

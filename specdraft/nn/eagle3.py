@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from specdraft.errors import SpecdraftError
 from specdraft.model.llama import RMSNorm
+from specdraft.model.fast import QuantLinear
 from specdraft.nn.layers import DraftLayer, DraftModel, TargetShape
 
 
@@ -81,8 +82,32 @@ class Eagle3Layer(DraftLayer):
     def forward(self, emb: Tensor, g: Tensor, rot: Tensor, mask: Tensor | None, past_k: Tensor | None = None,
                 past_v: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         # emb, g: [B, T, H].  Returns (h [B, T, H] pre-norm output, k, v [B, Hkv, T, D]).
-        a, k, v = self.attend(torch.cat([self.attn_norm(emb), self.hidden_norm(g)], -1), rot, mask, past_k, past_v)
+        a, k, v = self.attend(self.attn_input(emb, g), rot, mask, past_k, past_v)
         return self.mlp(g + a), k, v
+
+    def attn_input(self, emb: Tensor, g: Tensor) -> Tensor:
+        """u = [input_layernorm(e) ; hidden_norm(g)] [B, T, 2H]: what the attention reads."""
+        return torch.cat([self.attn_norm(emb), self.hidden_norm(g)], -1)
+
+    def attach_fast(self) -> bool:
+        """The whole layer as one call of the fast kernel (``fast_forward``), its attention reading u (normed here,
+        2H wide) and its residual g, once its projections are ``QuantLinear``.  Returns whether it did."""
+        lins = (self.wqkv, self.wo, self.w_gate_up, self.w_down)
+        if not all(isinstance(m, QuantLinear) for m in lins) or self.d % 16 or any(m.bias is not None for m in lins):
+            return False
+        qkv, o, gu, dn = (m.mm for m in lins)
+        self._fast = (*qkv.args(), None, None, *o.args(), *gu.args(),
+                      self.mlp_norm.weight.detach().float().contiguous(), *dn.args())
+        self._qk = None
+        return True
+
+    def fast_forward(self, emb: Tensor, g: Tensor, rot: Tensor, mask: Tensor | None, kv: Tensor, start: int) -> Tensor:
+        """``forward`` as one call of the fast kernel: emb, g [B, T, H] at slots start .. start+T-1 of the cache kv
+        [2, B, Hkv, S, D] (their keys and values written there); rot, mask as ``DraftLayer.fast_forward``.  Returns h
+        [B, T, H]."""
+        u = self.attn_input(emb, g).float().contiguous()
+        return torch.ops.specdraft_quant.fast_block(g.float().contiguous(), *self._fast, rot, mask, kv, start, self.eps,
+                                                    self.hq, self.hkv, self.d, None, -1, None, None, False, 0.0, u)
 
 
 class Eagle3Model(DraftModel):
@@ -110,6 +135,18 @@ class Eagle3Model(DraftModel):
         pk, pv = past[0] if past is not None else (None, None)
         h, k, v = self.layers[0](self.embed[tokens], state, self.rotation(positions), mask, pk, pv)
         return h, [(k, v)]
+
+    @property
+    def fast_serial(self) -> bool:
+        """Whether a step runs on the fast kernel, one C++ call (``serial_fast``)."""
+        return self.fast and self.layers[0].fast
+
+    def serial_fast(self, state: Tensor, tokens: Tensor, positions: Tensor, mask: Tensor | None, kv: list[Tensor],
+                    start: int) -> Tensor:
+        """``serial`` on the fast kernel (``HybridModel.serial_fast``'s contract): the T rows attend to slots
+        0 .. start-1 of the cache ``kv[0]`` and to each other as ``mask`` [1, T, start+T] allows (None: all); their K/V
+        are written at slots start .. start+T-1.  Returns h [1, T, H]."""
+        return self.layers[0].fast_forward(self.embed[tokens], state, self.rot_rows(positions), mask, kv[0], start)
 
     def logits(self, h: Tensor) -> Tensor:
         """[..., H] pre-norm states -> [..., V'] scores over the draft vocabulary: lm_head(norm(h))."""

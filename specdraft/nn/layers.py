@@ -134,7 +134,7 @@ class DraftLayer(nn.Module):
     def attach_fast(self) -> bool:
         """Run the whole layer as one call of the target's fast kernel (``fast_forward``), once its projections
         are ``QuantLinear`` (``DraftModel.prepack(int8=True)``).  A layer whose attention reads another width
-        than its output (EAGLE-3's) keeps its module path.  Returns whether it did."""
+        than its output (EAGLE-3's) has its own (``nn.eagle3``).  Returns whether it did."""
         lins = (self.wqkv, self.wo, self.w_gate_up, self.w_down)
         if not all(isinstance(m, QuantLinear) for m in lins) or self.wqkv.in_features != self.wo.out_features \
                 or self.d % 16 or any(m.bias is not None for m in lins):
@@ -266,6 +266,18 @@ class DraftModel(nn.Module):
         """Whether the network drafts on the fast kernel (``prepack(int8=True)``): its decoder layers one C++
         call each (where their shape allows: ``DraftLayer.fast``), the head's top-k taken in C++."""
         return self._fused
+
+    def keep_vocab(self, rows: int) -> None:
+        """For inference: draft from the draft vocabulary's first ``rows`` tokens only, a head of rows x W scored each
+        step instead of V' x W (the draft vocabulary is ranked most frequent first: ``train.corpus.draft_vocabulary``);
+        0 or >= V': all of it.  Before ``prepack``, which packs the head."""
+        if not 0 < rows < len(self.vocab_ids):
+            return
+        if self._head is not None:
+            raise SpecdraftError("keep_vocab must come before prepack (the head is packed already)")
+        head = self.head_w[:rows].detach().clone()
+        self.vocab_ids = self.vocab_ids[:rows].clone()
+        self.head_w = nn.Parameter(head, requires_grad=False) if isinstance(self.head_w, nn.Parameter) else head
 
     def fold_lift(self) -> None:
         """For inference: the lift into the head rows taken once, head_w <- head_w @ lift [V', W] (in fp32, then

@@ -6,7 +6,8 @@ the same prompt before the next), so a machine whose pace drifts moves every met
     python scripts/interleaved.py docs/prompts/fresh_math.jsonl 8 phrase ngram phrase@budget=6
 
 A spec is a drafter as --drafter takes it; ``--static`` specs run with their trees as proposed (no cut).
-The order of the runs turns by one each prompt (no method always runs first).
+The order of the runs turns by one each prompt (no method always runs first).  A spec with options (``eagle3@fused=0``)
+keeps its own live gate and drafting averages, apart from the plain name's.
 With ``--temperature`` every run samples (prompt i with seed i) and plain sampling is the base; ``--unmapped`` specs
 run without their ``sampled`` calibration map (their trees cut by the greedy probabilities).
 Prints tokens per pass, ms per pass, speed-up and whether every output equals plain decoding's.
@@ -73,8 +74,10 @@ def main() -> None:
     if a.unmapped and a.temperature <= 0:
         ap.error("--unmapped needs --temperature (greedy decoding uses no sampled map)")
     drafters = {key: make_drafter(spec, target) for key, spec, _ in runs}
-    for key in drafters:
-        if key.endswith(" (unmapped)"):  # no sampled map; its own name keeps its live gate apart
+    for key, spec, _ in runs:
+        if "@" in spec and drafters[key].name != "none":  # its own name keeps its live gate and drafting ms apart
+            drafters[key].name = spec
+        if key.endswith(" (unmapped)"):  # no sampled map; likewise
             drafters[key].sampled, drafters[key].name = {}, drafters[key].name + "~unmapped"
     sampling = Sampling(temperature=a.temperature) if a.temperature > 0 else None
     warm = {} if sampling is None else {"sampling": sampling, "seed": 0}

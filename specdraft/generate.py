@@ -270,6 +270,8 @@ def generate(
         drafter.reset(prompt_ids, first, out)
     committed_by_passes, root = 0, first
     costs: LiveCosts | None = live_costs(target) if cfg.dynamic and budget > 0 else None
+    if costs is not None:
+        costs.start(drafter.name)
     smap = sampled_calibration(getattr(drafter, "sampled", None), s) if costs is not None else None
     deferred: list[tuple[list[int], dict]] = []  # passes the drafter has not seen while drafting paused (catch_up)
     while not done:

@@ -108,8 +108,9 @@ def test_drafting_pauses_where_it_does_not_pay_and_probes():
     starts = [i for i, a in enumerate(answers) if a and (i == 0 or not answers[i - 1])]
     assert starts == [sum(pauses[: j + 1]) + BURST * j for j in range(len(pauses))]  # after each pause, a probe ...
     assert sum(answers) == BURST * len(pauses)  # ... of BURST drafted steps
-    answers = run(PROBE_MAX + BURST + 40, 3)  # its text changed: 3 tokens a step pay, the next probe resumes it
-    assert not any(answers[:PROBE_MAX]) and all(answers[PROBE_MAX:])
+    costs.start("d")  # a new generation: the next probe comes after PROBE steps
+    answers = run(PROBE + BURST + 40, 3)  # its text changed: 3 tokens a step pay, the probe resumes it
+    assert not any(answers[:PROBE]) and all(answers[PROBE:])
     for _ in range(40):  # drafting pays ...
         costs.observe("d", 3, 14.0, 1.0, 0.0, 3, True)
     for _ in range(80):  # ... then stops paying: it pauses

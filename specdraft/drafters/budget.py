@@ -163,9 +163,8 @@ STALE = 256  # passes after which a size not seen since loses its own average (t
 # average starts over when next seen): else a size priced high once is never cut to again, so never re-measured
 CLIP = 1.5  # a pass counts as at most this many times the current estimate (a preempted pass is noise, not pace)
 PROBE = 16  # a drafter whose drafted steps do not pay pauses for this many steps, then probes ...
-PROBE_MAX = 128  # ... the pause doubling after each probe that leaves it paused, up to this.  A new generation keeps
-# the pause it finds: new text gets its probe within PROBE_MAX steps, where starting each generation again at PROBE made
-# a drafter that pays nowhere probe ~3 times an answer (2-3% of plain speed lost on chat, measured)
+PROBE_MAX = 128  # ... the pause doubling after each probe that leaves it paused, up to this (each new generation
+# starts again at PROBE: new text may suit it)
 BURST = 6  # a probe: this many drafted steps, their mean blended half and half into the moving average below
 # (one step would hardly move an average over ~30)
 GATE_EMA = 0.03  # weight of the newest drafted step in what drafting gains and costs (~30 steps: one unlucky
@@ -258,6 +257,12 @@ class LiveCosts:
         self.live[rows] = (avg + EMA * (pass_ms - avg), seen + 1)
         self.scale += EMA * (min(pass_ms / self.curve_ms(rows), CLIP * self.scale) - self.scale)
         return pass_ms
+
+    def start(self, drafter: str) -> None:
+        """A new generation: a paused drafter's pause is cut back to ``PROBE`` steps, counted from its last drafted
+        step (so one paused longer than that probes at once): new text may suit it."""
+        if drafter in self.pause:
+            self.pause[drafter] = PROBE
 
     def _pays(self, drafter: str) -> bool:
         """Whether ``drafter``'s drafted steps (their moving average) commit more tokens per ms than plain passes,

@@ -74,6 +74,36 @@ def test_fast_kernel_steps_equal_the_8_bit_network(tiny_llama):
     check_fast_equals_module(target, random_eagle3(target, steps=4, vocab=48), True, name="eagle3")
 
 
+def test_attention_rows_given_apart_give_the_ordinary_blocks_bits_on_every_path(tiny_llama):
+    """``fast_block``'s ``x_attn`` (EAGLE-3's layer: the rows its attention reads, normed by the caller, the residual x
+    kept apart) gives the bits of the ordinary block, output and cache, when those rows are x's own attention norm
+    (taken by the kernel's norm: ``fast_head`` without logits), on every implementation; given beside ``s_attn``
+    it is refused."""
+    from tests.test_hybrid import CONFIGS, _random_model
+
+    _, target, _ = tiny_llama
+    model = _random_model(target, *CONFIGS["gumiho"], vocab=48)
+    assert model.prepack(int8=True)
+    layer = model.layers[0]
+    qkv, meta, s_attn, *rest = layer._fast
+    op = torch.ops.specdraft_quant
+    t, h = 5, layer.wo.out_features
+    x = torch.randn(1, t, h, generator=torch.Generator().manual_seed(0))
+    rot = model.rot_rows(torch.arange(3, 3 + t)[None])
+    mask = torch.ones(1, t, 3 + t, dtype=torch.bool).tril(3)
+    tail = (layer.eps, layer.hq, layer.hkv, layer.d, None, -1, None, None, False, 0.0)
+    for which in range(op.fast_best_isa() + 1):
+        op.fast_set_isa(which)
+        kv_a, kv_b = (torch.randn(2, 1, layer.hkv, 12, layer.d, generator=torch.Generator().manual_seed(1)) for _ in "ab")
+        want = op.fast_block(x, qkv, meta, s_attn, *rest, rot, mask, kv_a, 3, *tail)
+        u = op.fast_head(x, s_attn, layer.eps, qkv, meta, False)[0]
+        got = op.fast_block(x, qkv, meta, None, *rest, rot, mask, kv_b, 3, *tail, u)
+        assert torch.equal(got, want) and torch.equal(kv_a, kv_b), which
+        with pytest.raises(RuntimeError, match="x_attn"):
+            op.fast_block(x, qkv, meta, s_attn, *rest, rot, mask, kv_b, 3, *tail, u)
+    op.fast_set_isa(-1)
+
+
 def test_random_eagle3_is_lossless_on_real_prompts(tiny_chat_target):
     t = tiny_chat_target
     model = random_eagle3(t, steps=5, vocab=512)

@@ -64,7 +64,7 @@ for name in "${NAMES[@]}"; do
     block) train block block --modes 1 --block-size 5 --layers "$LAYERS" --steps 1800 --width 256 ;;  # as mfd
     mfd) train mfd block --modes 4 --block-size 5 --layers "$LAYERS" --steps 1800 --width 256 ;;  # the shipped shape,
               # trained on the broad mix (docs/training.md, "Narrow drafters"), not on this script's data
-    dflash) train dflash block --dflash --draft-vocab 0 --layers "$LAYERS" --steps 1800 ;;
+    dflash) train dflash block --dflash --draft-vocab 0 --draft-rows 8192 --layers "$LAYERS" --steps 1800 ;;
     *) echo "unknown drafter $name (phrase gumiho mfd eagle3 medusa eagle block dflash)"; exit 2 ;;
   esac
 done

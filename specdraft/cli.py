@@ -102,6 +102,9 @@ def _add_trainer_args(p, many: bool = False) -> None:
                    help="feature folder from `specdraft data features --layers ...` holding the --layers"
                         + (" (one per --data)" if many else ""))
     p.add_argument("--draft-vocab", type=int, default=8192, help="LM-head rows drafted from (0 = all; default 8192)")
+    p.add_argument("--draft-rows", type=int, default=0,
+                   help="draft from the draft vocabulary's N most frequent rows by default (the checkpoint's draft_rows; "
+                        "0 = all): a full vocabulary kept for an export, drafted from its most frequent rows")
     p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per batch")
     p.add_argument("--lr", type=_finite, default=6e-4)
     p.add_argument("--shards", type=int, default=0,
@@ -618,14 +621,14 @@ def cmd_train(args) -> None:
         for name in ("epochs", "batch_tokens"):
             if getattr(args, name) < 1:
                 raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 1")
-        for name in ("serial", "parallel", "anchors", "draft_vocab", "shards", "head_blocks", "serial_unroll", "width"):
+        for name in ("serial", "parallel", "anchors", "draft_vocab", "draft_rows", "shards", "head_blocks", "serial_unroll", "width"):
             if getattr(args, name) < 0:
                 raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 0")
         if not str(args.out).endswith(".safetensors"):
             raise SpecdraftError("--out must be a .safetensors file")
         layers = _layers(args.layers)
         cfg = HybridTrainConfig(serial=args.serial, parallel=args.parallel, serial_layers=args.serial_layers,
-                                head_blocks=args.head_blocks, feature_layers=layers, draft_vocab=args.draft_vocab,
+                                head_blocks=args.head_blocks, feature_layers=layers, draft_vocab=args.draft_vocab, draft_rows=args.draft_rows,
                                 epochs=args.epochs, anchors=args.anchors, batch_tokens=args.batch_tokens, lr=args.lr,
                                 feature_loss=args.feature_loss, serial_unroll=args.serial_unroll, head_grad=args.head_grad,
                                 distill=args.distill, init=args.init, width=args.width,
@@ -640,7 +643,7 @@ def cmd_train(args) -> None:
         for name in ("epochs", "batch_tokens", "steps"):
             if getattr(args, name) < 1:
                 raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 1")
-        for name in ("anchors", "draft_vocab", "shards"):
+        for name in ("anchors", "draft_vocab", "draft_rows", "shards"):
             if getattr(args, name) < 0:
                 raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 0")
         if not str(args.out).endswith(".safetensors"):
@@ -649,7 +652,7 @@ def cmd_train(args) -> None:
         target = _engine(args).target
         layers = _layers(args.layers) if args.layers else default_layers(target.config.num_layers)
         cfg = HybridTrainConfig(arch="eagle3", serial=args.steps, parallel=0, feature_layers=layers,
-                                draft_vocab=args.draft_vocab, epochs=args.epochs, anchors=args.anchors,
+                                draft_vocab=args.draft_vocab, draft_rows=args.draft_rows, epochs=args.epochs, anchors=args.anchors,
                                 batch_tokens=args.batch_tokens, lr=args.lr, distill=args.distill, init=args.init,
                                 shards=args.shards, seed=args.seed)
         log = (lambda *a, **k: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -664,7 +667,7 @@ def cmd_train(args) -> None:
         for name in ("modes", "epochs", "batch_tokens", "draft_layers"):
             if getattr(args, name) < 1:
                 raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 1")
-        for name in ("steps", "anchors", "draft_vocab", "shards", "width"):
+        for name in ("steps", "anchors", "draft_vocab", "draft_rows", "shards", "width"):
             if getattr(args, name) < 0:
                 raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 0")
         if args.block_size < 2 or args.gamma <= 0:
@@ -675,7 +678,7 @@ def cmd_train(args) -> None:
             raise SpecdraftError(f"--dflash trains one mode (DFlash has no mode embeddings); got --modes {args.modes}")
         layers = _layers(args.layers)
         cfg = BlockTrainConfig(modes=args.modes, draft_layers=args.draft_layers, block_size=args.block_size,
-                               feature_layers=layers, draft_vocab=args.draft_vocab, epochs=args.epochs, steps=args.steps,
+                               feature_layers=layers, draft_vocab=args.draft_vocab, draft_rows=args.draft_rows, epochs=args.epochs, steps=args.steps,
                                anchors=args.anchors, batch_tokens=args.batch_tokens, lr=args.lr, gamma=args.gamma,
                                shards=args.shards, seed=args.seed, gate=not args.no_gate, qk_norm=args.dflash,
                                mask_token=args.mask_token if args.dflash else -1, width=args.width, bf16=args.bf16)

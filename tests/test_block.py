@@ -302,8 +302,9 @@ def test_trained_tiny_dflash_drafter_is_lossless_and_accepts_drafts(tiny_chat_ta
 
     t = tiny_chat_target
     path = tmp_path / "dflash.safetensors"
-    m = _train(t, tiny_train_data, path, qk_norm=True, mask_token=0)
-    assert m["config"]["qk_norm"] and m["config"]["mask_token"] == 0
+    m = _train(t, tiny_train_data, path, qk_norm=True, mask_token=0, draft_vocab=0, draft_rows=64)
+    assert m["config"]["qk_norm"] and m["config"]["mask_token"] == 0 and m["draft_rows"] == 64
+    assert make_drafter(str(path), t).model.head_w.shape[0] == 64  # --draft-rows: the full head kept, 64 rows drafted
     assert m["history"][-1]["train_loss"] < m["history"][0]["train_loss"]
     with safe_open(str(path), "pt") as f:
         keys = set(f.keys())
@@ -312,7 +313,7 @@ def test_trained_tiny_dflash_drafter_is_lossless_and_accepts_drafts(tiny_chat_ta
     for p in PROMPTS:
         ids = t.encode_prompt(f"{p} (variant 0)")
         ref = generate(t, ids, NoDrafter(), GenerateConfig(max_new_tokens=32)).token_ids
-        for spec, budget in ((f"{path}@tree=linear,bf16=0", 4), (f"{path}@bf16=1", 8), (f"{path}@int8=1", 8)):
+        for spec, budget in ((f"{path}@tree=linear,bf16=0,vocab=0", 4), (f"{path}@bf16=1", 8), (f"{path}@int8=1", 8)):
             d = make_drafter(spec, t, budget=budget)
             assert isinstance(d, BlockDrafter) and d.model.cfg.dflash
             r = generate(t, ids, d, GenerateConfig(max_new_tokens=32))
@@ -340,8 +341,9 @@ def test_drafting_from_the_first_rows_of_the_draft_vocabulary(tiny_chat_target, 
 
     t = tiny_chat_target
     path = trained[3][0]
-    full = make_drafter(str(path), t)
-    for spec, rows in ((f"{path}@vocab=8", 8), (f"{path}@vocab=8,int8=0,bf16=0", 8), (f"{path}@vocab=100000", 256)):
+    full = make_drafter(f"{path}@int8=1", t)  # its head packed for the fast kernel
+    for spec, rows in ((f"{path}@vocab=8", 8), (f"{path}@vocab=8,int8=1", 8), (f"{path}@vocab=8,int8=0,bf16=0", 8),
+                       (f"{path}@vocab=100000", 256)):
         d = make_drafter(spec, t)
         assert d.model.head_w.shape[0] == rows and torch.equal(d.model.vocab_ids, full.model.vocab_ids[:rows])
         tokens, _ = d.marginals(4, 2)
@@ -354,10 +356,13 @@ def test_drafting_from_the_first_rows_of_the_draft_vocabulary(tiny_chat_target, 
     for p in PROMPTS:
         ids = t.encode_prompt(f"{p} (variant 0)")
         ref = generate(t, ids, NoDrafter(), GenerateConfig(max_new_tokens=32)).token_ids
-        for spec in (str(cut), f"{path}@vocab=2,tree=ddtree", f"{path}@vocab=1,tree=linear"):
+        for spec in (str(cut), f"{cut}@int8=1", f"{path}@vocab=2,tree=ddtree", f"{path}@vocab=1,tree=linear"):
             assert generate(t, ids, make_drafter(spec, t, budget=6), GenerateConfig(max_new_tokens=32)).token_ids == ref, spec
     with pytest.raises(SpecdraftError, match="option vocab must be >= 0"):
         make_drafter(f"{path}@vocab=-2", t)
+    save_checkpoint(cut, tensors, {**manifest, "draft_rows": True})
+    with pytest.raises(SpecdraftError, match="draft_rows must be an integer"):
+        make_drafter(str(cut), t)
     with pytest.raises(SpecdraftError, match="before prepack"):
         full.model.keep_vocab(4)  # its head is packed already
 

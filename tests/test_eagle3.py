@@ -92,16 +92,35 @@ def test_attention_rows_given_apart_give_the_ordinary_blocks_bits_on_every_path(
     rot = model.rot_rows(torch.arange(3, 3 + t)[None])
     mask = torch.ones(1, t, 3 + t, dtype=torch.bool).tril(3)
     tail = (layer.eps, layer.hq, layer.hkv, layer.d, None, -1, None, None, False, 0.0)
-    for which in range(op.fast_best_isa() + 1):
-        op.fast_set_isa(which)
-        kv_a, kv_b = (torch.randn(2, 1, layer.hkv, 12, layer.d, generator=torch.Generator().manual_seed(1)) for _ in "ab")
-        want = op.fast_block(x, qkv, meta, s_attn, *rest, rot, mask, kv_a, 3, *tail)
-        u = op.fast_head(x, s_attn, layer.eps, qkv, meta, False)[0]
-        got = op.fast_block(x, qkv, meta, None, *rest, rot, mask, kv_b, 3, *tail, u)
-        assert torch.equal(got, want) and torch.equal(kv_a, kv_b), which
-        with pytest.raises(RuntimeError, match="x_attn"):
-            op.fast_block(x, qkv, meta, s_attn, *rest, rot, mask, kv_b, 3, *tail, u)
-    op.fast_set_isa(-1)
+    try:
+        for which in range(op.fast_best_isa() + 1):
+            op.fast_set_isa(which)
+            kv_a, kv_b = (torch.randn(2, 1, layer.hkv, 12, layer.d, generator=torch.Generator().manual_seed(1))
+                          for _ in "ab")
+            want = op.fast_block(x, qkv, meta, s_attn, *rest, rot, mask, kv_a, 3, *tail)
+            u = op.fast_head(x, s_attn, layer.eps, qkv, meta, False)[0]
+            got = op.fast_block(x, qkv, meta, None, *rest, rot, mask, kv_b, 3, *tail, u)
+            assert torch.equal(got, want) and torch.equal(kv_a, kv_b), which
+            with pytest.raises(RuntimeError, match="x_attn"):
+                op.fast_block(x, qkv, meta, s_attn, *rest, rot, mask, kv_b, 3, *tail, u)
+    finally:
+        op.fast_set_isa(-1)
+
+
+def test_a_full_ranked_vocabulary_exports_in_id_order(tiny_llama):
+    """A full draft vocabulary is stored ranked (most frequent first); the export writes its head rows in id order
+    with d2t all 0, the same network (an engine may skip the map when the draft vocabulary is the target's)."""
+    from specdraft.export.drafter import eagle3_tensors
+
+    _, target, _ = tiny_llama
+    v = target.config.vocab_size
+    torch.manual_seed(0)
+    ranked = torch.randperm(v)
+    cfg = Eagle3Config.for_target(target.config, feature_layers=(0, 1, 2), steps=2, draft_vocab=0)
+    model = Eagle3Model(cfg, target.model.embed.weight, target.model.lm_head.weight, ranked)
+    out = eagle3_tensors(model)
+    assert torch.equal(out["d2t"], torch.zeros(v, dtype=out["d2t"].dtype)) and bool(out["t2d"].all())
+    assert torch.equal(out["lm_head.weight"][ranked], model.head_w.detach().cpu())
 
 
 def test_random_eagle3_is_lossless_on_real_prompts(tiny_chat_target):

@@ -90,7 +90,16 @@ class TrainedOptions:
         if self.ngram < 0:
             raise SpecdraftError(f"option ngram must be >= 0 (tree nodes given to prompt lookup; got {self.ngram})")
         if self.vocab < -1:
-            raise SpecdraftError(f"option vocab must be >= 0 (draft-vocabulary tokens drafted from, 0 = all; got {self.vocab})")
+            raise SpecdraftError(f"option vocab must be >= 0 (draft-vocabulary tokens drafted from, 0 = all) or -1 (the "
+                                 f"checkpoint's choice; got {self.vocab})")
+
+
+def draft_rows(manifest: dict | None) -> int:
+    """A checkpoint's ``draft_rows``: the draft-vocabulary rows it drafts from by default (0 = all)."""
+    rows = (manifest or {}).get("draft_rows", 0)
+    if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0:
+        raise SpecdraftError(f"the checkpoint's draft_rows must be an integer >= 0 (got {rows!r})")
+    return rows
 
 
 def prepare_network(model, target, options: TrainedOptions, manifest: dict | None = None):
@@ -99,7 +108,7 @@ def prepare_network(model, target, options: TrainedOptions, manifest: dict | Non
     by default when the target runs in the fast mode), else in bfloat16 with packed weights
     (``options.bf16``; by default where the CPU has native bfloat16), else as loaded.  Drafting is
     lossless whatever its arithmetic or vocabulary: the target verifies."""
-    model.keep_vocab(options.vocab if options.vocab >= 0 else int((manifest or {}).get("draft_rows", 0)))
+    model.keep_vocab(options.vocab if options.vocab >= 0 else draft_rows(manifest))
     int8 = options.int8 == 1 or (options.int8 < 0 and target.precision == "fast")
     kind = "Q8_0" if options.wbits == 8 else "Q4_0"
     if int8 and target.device.type == "cpu" and model.prepack(int8=True, fused=bool(options.fused), kind=kind):

@@ -99,7 +99,7 @@ REGISTRY: dict[str, DrafterSpec] = {s.name: s for s in (
            "--modes 4 --block-size 5 --layers 2,15,27 --steps 1800 --width 256"),
     _block("dflash", "DFlash exactly (q/k norm, the target's mask-token embedding, the full LM head; it drafts from the "
            "8,192 most frequent rows): a block of 7, DDTree product tree; exports to vLLM, SGLang and llama.cpp",
-           "--dflash --draft-vocab 0 --layers 2,15,27 --steps 1800"),
+           "--dflash --draft-vocab 0 --draft-rows 8192 --layers 2,15,27 --steps 1800"),
 )}
 BY_KIND = {"phrase": REGISTRY["phrase"], "hybrid": REGISTRY["gumiho"], "eagle3": REGISTRY["eagle3"],
            "block": REGISTRY["block"]}  # for checkpoint paths

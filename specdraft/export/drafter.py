@@ -54,6 +54,10 @@ def eagle3_tensors(model: Eagle3Model) -> dict[str, Tensor]:
     q, k, v = layer.wqkv.weight.detach().split([q_rows, kv_rows, kv_rows])
     gate, up = layer.w_gate_up.weight.detach().chunk(2)
     ids = model.vocab_ids.long().cpu()
+    head = model.head_w.detach().cpu()
+    if len(ids) == c.vocab_size:  # the full vocabulary, stored ranked: written in id order (d2t all 0), since an engine
+        order = torch.argsort(ids)  # may skip the map when the draft vocabulary is the target's
+        ids, head = ids[order], head[order]
     t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
     t2d[ids] = True
     out = {
@@ -69,7 +73,7 @@ def eagle3_tensors(model: Eagle3Model) -> dict[str, Tensor]:
         "midlayer.mlp.up_proj.weight": up,
         "midlayer.mlp.down_proj.weight": layer.w_down.weight,
         "norm.weight": model.norm.weight,
-        "lm_head.weight": model.head_w,
+        "lm_head.weight": head,
     }
     out = {k: v.detach().cpu().contiguous() for k, v in out.items()}
     out["d2t"] = ids - torch.arange(len(ids))

@@ -124,6 +124,11 @@ class Eagle3Model(DraftModel):
         self.head_w = nn.Parameter(rows.clone())
         self.register_buffer("target_rows", rows, persistent=False)
 
+    def keep_vocab(self, rows: int) -> None:
+        """``DraftModel.keep_vocab``, the target's rows (the teacher's) cut alike."""
+        super().keep_vocab(rows)
+        self.target_rows = self.target_rows[: len(self.vocab_ids)]
+
     def feature(self, f: Tensor) -> Tensor:
         """[..., 3H] target features -> g [..., H]."""
         return self.fc(f)

@@ -52,6 +52,8 @@ class BlockTrainConfig:
     block_size: int = 8  # B: root + B-1 drafted positions
     feature_layers: tuple[int, ...] = (3, 15, 27)  # target features fused into the context
     draft_vocab: int = 8192  # LM-head rows drafted from (0 = the full vocabulary)
+    draft_rows: int = 0  # drafting reads only the draft vocabulary's first N rows by default (written as the
+    # manifest's draft_rows; 0 = all of them): e.g. a full vocabulary kept for an export, drafted from its most frequent
     epochs: int = 1  # passes over the training sequences (ignored when ``steps`` is set)
     steps: int = 0  # optimizer steps in all (0 = ``epochs`` full epochs); same steps = same data for any K
     anchors: int = 12  # blocks per sequence and batch (0 = every response position); the defaults fit a
@@ -369,6 +371,7 @@ def train_block(target, data_dir, feat_dir, out: str | Path, cfg: BlockTrainConf
         "drafter": name,
         "train": {**asdict(cfg), "bf16": int(bf16)},  # what the run did, whatever the option said
         "draft_vocab_coverage": covered,
+        **({"draft_rows": cfg.draft_rows} if cfg.draft_rows else {}),
         "data": data_record(data_dirs[0], data_manifests[0], groups[0]),
         "history": meta["history"],
         "steps": total,

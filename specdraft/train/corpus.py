@@ -137,7 +137,7 @@ def split_and_vocabulary(corpus: Corpus, seed: int, holdout: float, size: int, t
 
 def draft_vocabulary(corpus: Corpus, seq_ids: list[int], size: int, vocab_size: int, always: set[int]) -> Tensor:
     """The ``size`` token ids most frequent in the responses of ``seq_ids`` (then in prompts, then by
-    id), ``always`` first, most frequent first; every id, ranked the same way, when ``size`` is 0 or covers the
+    id), most frequent first after ``always`` (by id); every id, ranked the same way, when ``size`` is 0 or covers the
     vocabulary (so a drafter can draft from its first rows alone: ``TrainedOptions.vocab``)."""
     if size <= 0 or size >= vocab_size:
         size = vocab_size

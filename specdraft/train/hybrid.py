@@ -55,6 +55,8 @@ class HybridTrainConfig:
     head_blocks: int = 1  # residual blocks per MLP head
     feature_layers: tuple[int, ...] = (-1,)  # target features read by the drafter
     draft_vocab: int = 8192  # LM-head rows drafted from (0 = the full vocabulary)
+    draft_rows: int = 0  # drafting reads only the draft vocabulary's first N rows by default (written as the
+    # manifest's draft_rows; 0 = all of them): e.g. a full vocabulary kept for an export, drafted from its most frequent
     width: int = 0  # the drafter's own hidden size (0 = the target's; hybrid only)
     epochs: int = 4
     anchors: int = 64  # anchors sampled per sequence and epoch (0 = every response position)
@@ -416,6 +418,7 @@ def train_hybrid(target, data_dir, feat_dir, out: str | Path, cfg: HybridTrainCo
         "drafter": mcfg.kind,
         "train": asdict(cfg),
         "draft_vocab_coverage": covered,
+        **({"draft_rows": cfg.draft_rows} if cfg.draft_rows else {}),
         "data": data_record(data_dirs[0], data_manifest, groups[0]),
         "history": history,
         "params": model.n_params(),

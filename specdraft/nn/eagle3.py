@@ -31,7 +31,6 @@ from torch import Tensor, nn
 
 from specdraft.errors import SpecdraftError
 from specdraft.model.llama import RMSNorm
-from specdraft.model.fast import QuantLinear
 from specdraft.nn.layers import DraftLayer, DraftModel, TargetShape
 
 
@@ -92,14 +91,7 @@ class Eagle3Layer(DraftLayer):
     def attach_fast(self) -> bool:
         """The whole layer as one call of the fast kernel (``fast_forward``), its attention reading u (normed here,
         2H wide) and its residual g, once its projections are ``QuantLinear``.  Returns whether it did."""
-        lins = (self.wqkv, self.wo, self.w_gate_up, self.w_down)
-        if not all(isinstance(m, QuantLinear) for m in lins) or self.d % 16 or any(m.bias is not None for m in lins):
-            return False
-        qkv, o, gu, dn = (m.mm for m in lins)
-        self._fast = (*qkv.args(), None, None, *o.args(), *gu.args(),
-                      self.mlp_norm.weight.detach().float().contiguous(), *dn.args())
-        self._qk = None
-        return True
+        return self._attach(None)
 
     def fast_forward(self, emb: Tensor, g: Tensor, rot: Tensor, mask: Tensor | None, kv: Tensor, start: int) -> Tensor:
         """``forward`` as one call of the fast kernel: emb, g [B, T, H] at slots start .. start+T-1 of the cache kv

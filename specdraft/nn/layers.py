@@ -135,13 +135,19 @@ class DraftLayer(nn.Module):
         """Run the whole layer as one call of the target's fast kernel (``fast_forward``), once its projections
         are ``QuantLinear`` (``DraftModel.prepack(int8=True)``).  A layer whose attention reads another width
         than its output (EAGLE-3's) has its own (``nn.eagle3``).  Returns whether it did."""
+        if self.wqkv.in_features != self.wo.out_features:
+            return False
+        return self._attach(_f32(self.attn_norm.weight))
+
+    def _attach(self, s_attn: Tensor | None) -> bool:
+        """``fast_block``'s weight arguments (``_fast``), with ``s_attn`` the attention norm's weight (None: the caller
+        norms the rows the attention reads), where the projections are ``QuantLinear`` without a bias and the head size
+        a multiple of 16.  Returns whether it could."""
         lins = (self.wqkv, self.wo, self.w_gate_up, self.w_down)
-        if not all(isinstance(m, QuantLinear) for m in lins) or self.wqkv.in_features != self.wo.out_features \
-                or self.d % 16 or any(m.bias is not None for m in lins):
+        if not all(isinstance(m, QuantLinear) for m in lins) or self.d % 16 or any(m.bias is not None for m in lins):
             return False
         qkv, o, gu, dn = (m.mm for m in lins)
-        self._fast = (*qkv.args(), _f32(self.attn_norm.weight), None, *o.args(), *gu.args(), _f32(self.mlp_norm.weight),
-                      *dn.args())
+        self._fast = (*qkv.args(), s_attn, None, *o.args(), *gu.args(), _f32(self.mlp_norm.weight), *dn.args())
         self._qk = None if self.q_norm is None else torch.cat([_f32(self.q_norm.weight), _f32(self.k_norm.weight)])
         return True
 

@@ -53,7 +53,7 @@ class BlockTrainConfig:
     feature_layers: tuple[int, ...] = (3, 15, 27)  # target features fused into the context
     draft_vocab: int = 8192  # LM-head rows drafted from (0 = the full vocabulary)
     draft_rows: int = 0  # drafting reads only the draft vocabulary's first N rows by default (written as the
-    # manifest's draft_rows; 0 = all of them): e.g. a full vocabulary kept for an export, drafted from its most frequent
+    # manifest's draft_rows; 0 = all of them): e.g. a full vocabulary kept for an export, drafted from its most frequent rows
     epochs: int = 1  # passes over the training sequences (ignored when ``steps`` is set)
     steps: int = 0  # optimizer steps in all (0 = ``epochs`` full epochs); same steps = same data for any K
     anchors: int = 12  # blocks per sequence and batch (0 = every response position); the defaults fit a

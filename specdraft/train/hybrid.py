@@ -56,7 +56,7 @@ class HybridTrainConfig:
     feature_layers: tuple[int, ...] = (-1,)  # target features read by the drafter
     draft_vocab: int = 8192  # LM-head rows drafted from (0 = the full vocabulary)
     draft_rows: int = 0  # drafting reads only the draft vocabulary's first N rows by default (written as the
-    # manifest's draft_rows; 0 = all of them): e.g. a full vocabulary kept for an export, drafted from its most frequent
+    # manifest's draft_rows; 0 = all of them): e.g. a full vocabulary kept for an export, drafted from its most frequent rows
     width: int = 0  # the drafter's own hidden size (0 = the target's; hybrid only)
     epochs: int = 4
     anchors: int = 64  # anchors sampled per sequence and epoch (0 = every response position)

@@ -189,6 +189,11 @@ def test_sampled_maps_rescore_the_cut_under_sampling_only(tiny_llama, monkeypatc
     costs = LiveCosts({"n": list(range(1, 33)), "ms": [1.0 + 0.05 * n for n in range(1, 33)]})
     monkeypatch.setattr(gen_module, "live_costs", lambda t: costs)
     monkeypatch.setattr(costs, "drafting_pays", lambda name: True)
+    # the curve as given, not this machine's timings: a tiny model's 1- and 2-row passes are too close for a noisy
+    # runner's measurements to keep the floor, (pass(2) - pass(1)) / pass(1), below 1
+    monkeypatch.setattr(costs, "observe", lambda *args, **kwargs: None)
+    floor = costs.floor("chain")
+    assert 0.0 < floor < 1.0
     zero, same = C.Calibration([0.0, 1.0], [0.0, 0.0]), C.Calibration([0.0, 1.0], [0.0, 1.0])
     maps = {0.7: zero, 1.5: same}
     assert C.sampled_calibration(maps, Sampling()) is None  # greedy: no map
@@ -214,4 +219,4 @@ def test_sampled_maps_rescore_the_cut_under_sampling_only(tiny_llama, monkeypatc
         assert got.token_ids == plain.token_ids
         assert (got.stats.tree_nodes > 0) == drafted, temperature
         # the floor as the map gives it: none of a map to 0 can pay (inf); the identity's is the costs' own
-        assert d.floors and all((f == float("inf")) if not drafted else (0.0 < f < 1.0) for f in d.floors), d.floors
+        assert d.floors and all(f == (floor if drafted else float("inf")) for f in d.floors), d.floors
